@@ -1,0 +1,42 @@
+"""User-facing errors. The CLI's single handler turns each into a message, a hint and an exit code.
+
+Exit codes (documented in the README): 0 ok, 1 contract violation / refused action /
+failed run, 2 unreadable recipe or usage error.
+"""
+
+from __future__ import annotations
+
+
+class V4LaunchError(Exception):
+    """A user mistake or refused action: printed without a traceback.
+
+    Args:
+        message: what is wrong (field, value, rule).
+        hint: the fix or the next command to run.
+        exit_code: process exit code the CLI uses.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(V4LaunchError):
+    """Bad command-line usage or an unreadable / invalid recipe file (exit 2)."""
+
+    exit_code = 2
+
+
+class RecipeError(UsageError):
+    """The recipe cannot be loaded or does not match the schema (exit 2)."""
+
+
+class ContractViolation(V4LaunchError):
+    """The recipe loads but breaks the V4 runtime contract (exit 1)."""
+
+
+class RefusedError(V4LaunchError):
+    """An action was refused to protect a run (unsafe resume, dirty tree, …) (exit 1)."""

@@ -1,0 +1,44 @@
+"""``cluster:`` section: hardware the run targets (GPU model → SM version, node shape)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, computed_field
+
+from .base import Section
+
+GpuModel = Literal["cpu", "A100", "L40S", "H100", "H200", "GH200", "B200", "GB200", "B300", "GB300", "RTX5090"]
+
+GPU_SM: dict[str, int | None] = {
+    "cpu": None, "A100": 80, "L40S": 89, "H100": 90, "H200": 90, "GH200": 90,
+    "B200": 100, "GB200": 100, "B300": 103, "GB300": 103, "RTX5090": 120,
+}
+"""Compute capability (major*10 + minor) of each GPU model; None for CPU-only runs."""
+
+GPU_MEMORY_GIB: dict[str, float] = {
+    "cpu": 0.0, "A100": 80.0, "L40S": 48.0, "H100": 80.0, "H200": 141.0, "GH200": 96.0,
+    "B200": 180.0, "GB200": 186.0, "B300": 288.0, "GB300": 288.0, "RTX5090": 32.0,
+}
+"""Device memory per GPU model (GiB), used when cluster.gpu_memory_gib is not set."""
+
+
+class ClusterConfig(Section):
+    """Target hardware. world size = nodes · gpus_per_node (CPU: processes per node)."""
+
+    gpu: GpuModel = Field("H200", description="GPU model; decides the SM version the kernel gates check.")
+    nodes: int = Field(1, ge=1, description="Nodes.")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs (or, for gpu=cpu, processes) per node.")
+    gpu_memory_gib: float | None = Field(None, gt=0, description="Memory per GPU (GiB); null = the model's catalogue value.")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def sm(self) -> int | None:
+        """Compute capability as major*10+minor (90 = Hopper), None on CPU."""
+        return GPU_SM[self.gpu]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def world_size(self) -> int:
+        """Total ranks: nodes · gpus_per_node."""
+        return self.nodes * self.gpus_per_node

@@ -1,0 +1,69 @@
+"""``curriculum:`` section: ordered stages (sequence length, CP, attention phase, budget, LR).
+
+The 64K → 1M context curriculum and the dense → sparse-warm-up → sparse phase
+changes (seed 000 §2; paper: sparse attention introduced at 64K with a short
+indexer warm-up) are both expressed as stages. Rules run once per stage.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .attention import IndexerLoss
+from .base import Section
+
+Phase = Literal["dense", "warmup", "sparse"]
+"""dense: no indexer, every visible compressed entry attended. warmup: indexer built, sparse main
+output, dense KL teacher. sparse: top-k main output, KL teacher over the selected set."""
+
+PHASE_ORDER: dict[str, int] = {"dense": 0, "warmup": 1, "sparse": 2}
+"""Phases only move forward along this order."""
+
+DEFAULT_INDEXER_LOSS: dict[str, IndexerLoss | None] = {"dense": None, "warmup": "dense", "sparse": "sparse"}
+"""Indexer-loss target each phase uses unless a stage overrides it."""
+
+
+class Stage(Section):
+    """One curriculum stage. Exactly one of ``tokens`` / ``steps`` sets its budget."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="Stage name (letters, digits, _ . -); used in run directories and logs.")
+    seq_len: int = Field(..., ge=1, description="Packed tokens per micro-batch sequence (THD capacity).")
+    cp: int | None = Field(None, ge=1, description="Context-parallel size for this stage; null = parallel.cp.")
+    phase: Phase = Field("sparse", description="Attention phase: dense, warmup or sparse.")
+    indexer_loss: IndexerLoss | None = Field(None, description="KL target override; null = the phase default (warmup: dense, sparse: sparse).")
+    tokens: int | None = Field(None, ge=1, description="Budget in training tokens (global, all ranks).")
+    steps: int | None = Field(None, ge=1, description="Budget in optimizer steps.")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage; null = optimizer.lr.")
+    global_batch_size: int | None = Field(None, ge=1, description="Global batch (packed sequences) override for this stage.")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> "Stage":
+        if (self.tokens is None) == (self.steps is None):
+            raise ValueError(
+                f"stage '{self.name}': set exactly one of 'tokens' or 'steps' as its budget "
+                f"(got tokens={self.tokens}, steps={self.steps})"
+            )
+        return self
+
+    @property
+    def effective_indexer_loss(self) -> IndexerLoss | None:
+        """The KL target this stage trains with (None in dense mode: no indexer)."""
+        if self.phase == "dense":
+            return None
+        return self.indexer_loss or DEFAULT_INDEXER_LOSS[self.phase]
+
+
+class CurriculumConfig(Section):
+    """Ordered stages; a stage starts from the previous stage's final checkpoint."""
+
+    stages: tuple[Stage, ...] = Field(..., min_length=1, description="Stages in run order.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "CurriculumConfig":
+        names = [s.name for s in self.stages]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"curriculum.stages: stage names must be unique; repeated: {', '.join(dup)}")
+        return self
