@@ -1,0 +1,50 @@
+"""What every CLI command shares: the output sink, option aliases, and the one error handler.
+
+Commands stay thin: parse, call a library function, print through ``OUT``. A
+``V4LaunchError`` raised anywhere becomes a one-line message plus a hint and its exit
+code; a traceback is shown only when ``V4LAUNCH_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from ..errors import V4LaunchError
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of the rich report.")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="Dotlist overrides, e.g. parallel.cp=8 curriculum.stages.0.steps=10.", show_default=False)]
+
+
+class Output:
+    """One sink for all command output: rich text to stdout, or JSON, or nothing (quiet)."""
+
+    def __init__(self) -> None:
+        self.console = Console(highlight=False)
+        self.err = Console(stderr=True, highlight=False)
+
+    def json(self, payload: Any) -> None:
+        """Write ``payload`` as JSON to stdout."""
+        sys.stdout.write(json.dumps(payload, indent=2, default=str) + "\n")
+
+    def note(self, text: str) -> None:
+        """An informational line on stderr (e.g. which recipe or run was picked), never mixed into --json."""
+        self.err.print(f"[dim]{text}[/dim]")
+
+
+OUT = Output()
+
+
+def report_error(error: V4LaunchError) -> int:
+    """Print ``error`` as message + hint on stderr; return its exit code."""
+    OUT.err.print(f"[bold red]error:[/bold red] {error.message}")
+    if error.hint:
+        OUT.err.print(f"[yellow]hint:[/yellow] {error.hint}")
+    if os.environ.get("V4LAUNCH_DEBUG") == "1":
+        OUT.err.print_exception()
+    return error.exit_code
