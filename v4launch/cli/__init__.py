@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from ..errors import V4LaunchError
@@ -37,15 +36,8 @@ _register()
 
 
 def main() -> None:
-    """Console-script entry point: run the app; user errors exit with their code, no traceback."""
+    """Console-script entry point. Usage errors exit 2 (typer); user errors exit with their code, no traceback."""
     try:
-        app(standalone_mode=False)
+        app()
     except V4LaunchError as error:
         sys.exit(report_error(error))
-    except click.exceptions.Exit as done:
-        sys.exit(done.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.exceptions.UsageError as usage:
-        usage.show()
-        sys.exit(2)
