@@ -1,0 +1,1 @@
+"""Training data: tokenizer, megatron-core indexed dataset preparation, THD packing."""

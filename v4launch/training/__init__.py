@@ -1,0 +1,1 @@
+"""The training job that runs on each rank: optimizer, schedule, curriculum, metrics."""
