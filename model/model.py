@@ -1,42 +1,283 @@
-"""Whole model (API surface; math filled in by the following commits)."""
+"""The whole V4 model: embed -> mHC streams -> blocks -> hc_head -> norm -> head, plus MTP.
+
+Spec: reference/v4-model-spec.md §2–3; seed 000 §2 (phases), §3 (gradient ownership),
+§4 (THD). Upstream: ``Block``, ``ParallelHead``, ``MTPBlock`` and ``Transformer`` in the
+released ``inference/model.py`` (training forward over a packed batch instead of a
+KV-cache decode).
+
+Auxiliary losses (``ModelOutput.aux_losses``; raw values, the job scales and sums):
+see :data:`AUX_LOSS_DOC`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .attention import Attention, BatchContext
+from .common import FP32Pinned, RMSNorm, acc_dtype, linear
+from .indexer import Indexer
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .mtp import MTPBlock
+from .packing import Pack, check_labels, make_pack, shift_in_segment
+from .parallel import SINGLE_DEVICE, ContextParallel
 
 Phase = Literal["dense", "warmup", "sparse"]
-AUX_LOSS_DOC = {}
+"""dense: no indexer, CSA attends every visible compressed entry. warmup: indexer built,
+sparse (top-k) main attention, KL teacher over ALL visible entries. sparse: KL teacher
+over the selected set. Phases only move forward (seed 000 §2)."""
+_PHASES: tuple[str, ...] = get_args(Phase)
+
+AUX_LOSS_DOC = {
+    "indexer_kl/layer_NN": "KL(teacher || indexer) per CSA layer NN (zero-padded layer id; MTP layers use "
+                           "n_layers + k - 1), mean over queries with >= 1 candidate. Present only when the "
+                           "model has indexers (phase warmup/sparse). Gradient reaches indexer.* only.",
+    "balance/layer_NN": "DeepSeek-V3 sequence-wise balance loss sum_i f_i P_i WITHOUT alpha, per packed "
+                        "segment then averaged; 1.0 when perfectly balanced, E/K when collapsed. Every MoE "
+                        "layer, hash layers and MTP layers included.",
+    "mtp/depth_K": "MTP cross entropy at depth K (1-based), mean over tokens whose target exists, unweighted.",
+}
 
 
 @dataclass
 class ModelOutput:
+    """Result of :meth:`V4Model.forward`.
+
+    lm_loss: 0-d mean token cross entropy over labels != -100 (None without labels).
+    aux_losses: name -> 0-d raw auxiliary loss (names in :data:`AUX_LOSS_DOC`).
+    logits: [T, vocab] float32 (float64 for a float64 model), only with return_logits=True.
+    """
+
     lm_loss: Optional[torch.Tensor]
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     logits: Optional[torch.Tensor] = None
 
 
-class V4Model(nn.Module):
-    def __init__(self, args: ModelArgs, phase: Phase = "dense", cp=None) -> None:
+_HC = ("hc_attn_fn", "hc_ffn_fn", "hc_attn_base", "hc_ffn_base", "hc_attn_scale", "hc_ffn_scale")
+
+
+class Block(FP32Pinned):
+    """Decoder layer: mHC-wrapped attention then MoE. Streams [T, hc, dim] -> same.
+
+    Parameters: ``attn.*``, ``ffn.*``, ``attn_norm``, ``ffn_norm``, ``hc_{attn,ffn}_fn``
+    [(2+hc)*hc, hc*dim], ``_base`` [(2+hc)*hc], ``_scale`` [3] (all hc_* FP32-pinned).
+    """
+
+    _fp32_names = _HC
+
+    def __init__(self, layer_id: int, args: ModelArgs, with_indexer: bool) -> None:
         super().__init__()
-        self.args = args
-        self.phase = phase
+        self.layer_id, self.args = layer_id, args
+        self.attn = Attention(layer_id, args, with_indexer)
+        self.ffn = MoE(layer_id, args)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        n_mix, hc_dim = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        for sub in ("attn", "ffn"):
+            setattr(self, f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, hc_dim, dtype=torch.float32)))
+            setattr(self, f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix, dtype=torch.float32)))
+            setattr(self, f"hc_{sub}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def _mix(self, h: torch.Tensor, sub: str):
+        a = self.args
+        return hc_pre(h, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                      getattr(self, f"hc_{sub}_base"), a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps)
+
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, ctx: BatchContext):
+        """h [T, hc, dim] -> (h [T, hc, dim], indexer KL or None, balance loss)."""
+        x, post, comb = self._mix(h, "attn")
+        a, kl = self.attn(self.attn_norm(x), ctx)
+        h = hc_post(a, h, post, comb)
+        x, post, comb = self._mix(h, "ffn")
+        f, bal = self.ffn(self.ffn_norm(x), token_ids, ctx.pack.seg, ctx.pack.n_segments)
+        return hc_post(f, h, post, comb), kl, bal
+
+
+class MTPLayer(Block, MTPBlock):
+    """MTP layer ``mtp.k``: a full Block (layer id n_layers + k) plus the MTP projections/head mixing."""
+
+    _fp32_names = _HC + MTPBlock._mtp_fp32
+
+    def __init__(self, layer_id: int, args: ModelArgs, with_indexer: bool) -> None:
+        super().__init__(layer_id, args, with_indexer)
+        self._init_mtp(args)
+
+
+class V4Model(FP32Pinned):
+    """DeepSeek-V4 model for training on packed (THD) batches.
+
+    Args:
+        args: architecture. phase: "dense" | "warmup" | "sparse" (see :data:`Phase`).
+        chunk_size: query rows per attention / indexer chunk (memory is linear in it).
+        cp: context-parallel hooks; the default is the single-device no-op.
+    Raises:
+        ValueError: unknown phase.
+
+    Parameter names and shapes follow the released checkpoint after ``convert.py``
+    (``embed.weight``, ``layers.N.*``, ``norm.weight``, ``head.weight``, ``hc_head_*``,
+    ``mtp.K.*``). Weights are drawn from the global RNG (normal(0, init_std) for
+    matrices, ones for norms and hc scales, zeros for sinks, ``ape``, hc bases and router
+    biases); indexers are drawn from a generator seeded by ``args.seed`` and the layer id,
+    so every rank builds identical indexers in :meth:`set_phase`.
+    """
+
+    _fp32_names = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+
+    def __init__(self, args: ModelArgs, phase: Phase = "dense", *, chunk_size: int = 256,
+                 cp: Optional[ContextParallel] = None) -> None:
+        super().__init__()
+        _check_phase(phase)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size}: must be >= 1. Fix: pass a positive number of query rows.")
+        self.args, self.phase, self.chunk_size, self.cp = args, phase, chunk_size, cp or SINGLE_DEVICE
+        with_indexer = phase != "dense"
+        d, hc = args.dim, args.hc_mult
+        self.embed = nn.Embedding(args.vocab_size, d)
+        self.layers = nn.ModuleList(Block(i, args, with_indexer) for i in range(args.n_layers))
+        self.norm = RMSNorm(d, args.norm_eps)
+        self.head = nn.Linear(d, args.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPLayer(args.n_layers + k, args, with_indexer) for k in range(args.n_mtp_layers))
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * d, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------- set-up
+    def _blocks(self) -> list[Block]:
+        return list(self.layers) + list(self.mtp)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every parameter (indexers from their seeded generators)."""
+        for name, p in self.named_parameters():
+            if ".indexer." in name:
+                continue
+            _init_param(name, p, self.args.init_std, None)
+        for block in self._blocks():
+            if block.attn.has_indexer:
+                self._init_indexer(block)
+
+    @torch.no_grad()
+    def _init_indexer(self, block: Block) -> None:
+        g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + 7919 * (block.layer_id + 1))
+        for name, p in block.attn.indexer.named_parameters():
+            _init_param(name, p, self.args.init_std, g)
 
     @property
     def has_indexer(self) -> bool:
-        return self.phase != "dense"
+        """True when CSA layers carry an indexer (phase warmup or sparse)."""
+        return any(b.attn.has_indexer for b in self._blocks())
 
     def set_phase(self, phase: Phase) -> None:
-        raise NotImplementedError
+        """Move to a later phase. Leaving "dense" builds and initialises indexers on every
+        CSA layer (same device and dtype as the layer; rebuild the optimizer afterwards).
 
-    def forward(self, tokens, cu_seqlens, max_seqlen, labels=None, return_logits=False) -> ModelOutput:
-        raise NotImplementedError
+        Raises:
+            ValueError: unknown phase name, or a move backwards (e.g. sparse -> warmup).
+        """
+        _check_phase(phase)
+        if _PHASES.index(phase) < _PHASES.index(self.phase):
+            raise ValueError(f"phase={phase!r}: the model is in phase {self.phase!r} and phases only move forward "
+                             f"({' -> '.join(_PHASES)}). Fix: build a new V4Model (or load a checkpoint) to go back.")
+        if self.phase == "dense" and phase != "dense":
+            for block in self._blocks():
+                attn = block.attn
+                if attn.ratio == 4:
+                    ref = attn.wq_b.weight
+                    attn.indexer = Indexer(self.args).to(device=ref.device, dtype=ref.dtype)
+                    self._init_indexer(block)
+        self.phase = phase
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                labels: Optional[torch.Tensor] = None, return_logits: bool = False) -> ModelOutput:
+        """Packed forward.
+
+        Args:
+            tokens: [T] int64 token ids (THD, no batch dim).
+            cu_seqlens: [N+1] int32/int64 segment boundaries, 0 first, T last.
+            max_seqlen: int >= the longest segment.
+            labels: [T] int64 next-token targets, -100 = ignore (None: no losses).
+            return_logits: also return the main-model logits [T, vocab].
+        Returns: :class:`ModelOutput`.
+        Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels.
+        """
+        pack = make_pack(tokens, cu_seqlens, max_seqlen)
+        if labels is not None:
+            check_labels(labels, pack.n_tokens)
+        ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
+                           self.chunk_size, self.cp)
+        h = self.embed(tokens)  # [T, dim]
+        h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
+        aux: dict[str, torch.Tensor] = {}
+        for block in self.layers:
+            h, kl, bal = block(h, tokens, ctx)
+            _record(aux, block.layer_id, kl, bal)
+        a = self.args
+        hidden = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.hc_eps, a.norm_eps))
+        logits = self._logits(hidden)  # [T, vocab]
+        lm_loss = _ce(logits, labels) if labels is not None else None
+        if labels is not None:
+            self._mtp(h, tokens, labels, pack, ctx, aux)
+        return ModelOutput(lm_loss=lm_loss, aux_losses=aux, logits=logits if return_logits else None)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.head, acc_dtype(hidden.dtype))
+
+    def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, pack: Pack,
+             ctx: BatchContext, aux: dict) -> None:
+        """MTP depths: depth k reads token t+k and predicts labels[t+k] (= token t+k+1)."""
+        tok, lab = tokens, labels
+        for k, layer in enumerate(self.mtp, start=1):
+            tok, lab = shift_in_segment(tok, pack, 0), shift_in_segment(lab, pack, -100)
+            x = layer.mtp_input(h, self.embed(tok))  # [T, hc, dim]
+            h, kl, bal = layer(x, tok, ctx)
+            _record(aux, layer.layer_id, kl, bal)
+            aux[f"mtp/depth_{k}"] = _ce(self._logits(layer.mtp_hidden(h, self.args.hc_eps, self.args.norm_eps)), lab)
 
     @torch.no_grad()
     def update_router_bias(self, speed: float) -> None:
-        raise NotImplementedError
+        """Aux-loss-free balancing step on every learned router (main and MTP layers).
+
+        Uses the expert token counts accumulated by forwards in training mode since the
+        previous call, ``bias += speed * sign(mean_load - load)``, then clears the counts.
+        No gradient, no optimizer. ``speed`` is gamma (released recipe: 1e-3).
+        """
+        for block in self._blocks():
+            block.ffn.update_bias(speed)
+
+
+def _check_phase(phase: object) -> None:
+    if phase not in _PHASES:
+        raise ValueError(f"phase={phase!r}: must be one of {_PHASES}. Fix: start with 'dense' and move forward "
+                         "with set_phase('warmup') then set_phase('sparse').")
+
+
+def _record(aux: dict, layer_id: int, kl: Optional[torch.Tensor], bal: torch.Tensor) -> None:
+    if kl is not None:
+        aux[f"indexer_kl/layer_{layer_id:02d}"] = kl
+    aux[f"balance/layer_{layer_id:02d}"] = bal
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over labels != -100 (0 with a graph when none is valid)."""
+    n = int((labels != -100).sum())
+    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return total / max(n, 1)
+
+
+def _init_param(name: str, p: torch.Tensor, std: float, gen: Optional[torch.Generator]) -> None:
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm." in name and leaf == "weight"
+    if is_norm or leaf.endswith("_scale"):
+        p.fill_(1.0)
+    elif leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
+        p.zero_()
+    else:
+        p.normal_(0.0, std, generator=gen)

@@ -1,0 +1,188 @@
+"""Main attention of one layer: SWA, CSA (indexer top-k) or HCA, on a THD batch.
+
+Spec: reference/v4-model-spec.md §2 (query path, shared KV latent, sliding window,
+core attention with sink, inverse RoPE, grouped output projection) and §1 (per-layer
+RoPE). Seed 000 §2 (phase graphs), §3 (gradient ownership), §4 (THD resets).
+Seed 004 items 1 (scale head_dim**-0.5, no mscale), 3 (de-rotation before ``wo_a``
+on every layer), 6b (detached teacher and indexer inputs), 11 (chunked KL target).
+Upstream: ``Attention.forward`` in the released ``inference/model.py`` and the
+``sparse_attn`` kernel in ``inference/kernel.py``.
+
+Per query t (position p in its segment) the candidate keys are the window tokens
+``max(0, p-W+1) .. p`` and compressed entries i < (p+1)//ratio (all of them for HCA
+and dense-mode CSA, the indexer's top-k for CSA with an indexer). One softmax runs
+over window + compressed logits ``(q . kv) * head_dim**-0.5`` with ``exp(attn_sink[h])``
+added to the denominator; the output is ``sum p * kv`` (V = K). Queries are processed
+in chunks of ``chunk_size`` rows, so no [T, T] or [T, H, all entries] tensor exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import nn
+
+from .args import ModelArgs
+from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
+from .compressor import Compressor
+from .indexer import Indexer, kl_teacher_student, select_topk
+from .packing import CompressPlan, Pack, compress_plan, visible_table, window_table
+from .parallel import SINGLE_DEVICE, ContextParallel
+from .rope import RotaryEmbedding, apply_rope
+
+KLTarget = Literal["visible", "selected"]
+
+
+@dataclass
+class BatchContext:
+    """Tables shared by every layer of one forward (built once per batch).
+
+    ``kl_target``: "visible" (warm-up: dense teacher over all visible entries) or
+    "selected" (sparse: teacher over the selected set). ``chunk_size``: query rows per
+    chunk. ``cp``: context-parallel hooks (single-device no-op by default).
+    """
+
+    pack: Pack
+    window: int
+    kl_target: KLTarget = "selected"
+    chunk_size: int = 256
+    cp: ContextParallel = SINGLE_DEVICE
+    _win: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    _plans: dict = field(default_factory=dict)
+    _rope: dict = field(default_factory=dict)
+
+    def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._win is None:
+            self._win = window_table(self.pack, self.window)
+        return self._win
+
+    def plan(self, ratio: int) -> CompressPlan:
+        if ratio not in self._plans:
+            self._plans[ratio] = compress_plan(self.pack, ratio)
+        return self._plans[ratio]
+
+    def cos_sin(self, rope: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rope.key, dtype)
+        if key not in self._rope:
+            self._rope[key] = rope.cos_sin(self.pack.pos, dtype)
+        return self._rope[key]
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with a sink over gathered keys (V = K).
+
+    q [R, H, D], keys [R, N, D], valid [R, N] bool, sink [H] -> (out [R, H, D],
+    logits [R, H, N] scaled, -inf where invalid). ``p = exp(l) / (sum exp(l) + exp(sink))``;
+    the sink logit is not scaled and has no value. Every row needs one valid key.
+    """
+    logits = torch.einsum("rhd,rnd->rhn", q, keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    s = sink[None, :, None]  # [1, H, 1]
+    m = torch.maximum(logits.amax(dim=-1, keepdim=True), s).detach()
+    e = (logits - m).exp()
+    p = e / (e.sum(dim=-1, keepdim=True) + (s - m).exp())
+    return torch.einsum("rhn,rnd->rhd", p, keys), logits
+
+
+class Attention(FP32Pinned):
+    """One layer's attention. x [T, dim] -> ([T, dim], indexer KL or None).
+
+    Parameters (released names and shapes): ``wq_a`` [q_lora_rank, dim], ``q_norm``,
+    ``wq_b`` [H*D, q_lora_rank], ``wkv`` [D, dim], ``kv_norm``, ``wo_a``
+    [o_groups*o_lora_rank, H*D/o_groups], ``wo_b`` [dim, o_groups*o_lora_rank],
+    ``attn_sink`` [H] (FP32-pinned), ``compressor.*`` (ratio 4/128),
+    ``indexer.*`` (ratio 4, only when built).
+    """
+
+    _fp32_names = ("attn_sink",)
+
+    def __init__(self, layer_id: int, args: ModelArgs, with_indexer: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.ratio = args.compress_ratios[layer_id]
+        self.n_heads, self.head_dim, self.rope_dim = args.n_heads, args.head_dim, args.rope_head_dim
+        self.n_groups, self.o_lora_rank, self.eps = args.o_groups, args.o_lora_rank, args.norm_eps
+        self.window_size, self.topk = args.window_size, args.index_topk
+        self.softmax_scale = self.head_dim ** -0.5  # no YaRN mscale (seed 004 item 1)
+        H, D = self.n_heads, self.head_dim
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, H * D, bias=False)
+        self.wkv = nn.Linear(args.dim, D, bias=False)
+        self.kv_norm = RMSNorm(D, args.norm_eps)
+        self.wo_a = nn.Linear(H * D // self.n_groups, self.n_groups * self.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.n_groups * self.o_lora_rank, args.dim, bias=False)
+        self.rope = RotaryEmbedding(args, self.ratio)
+        if self.ratio:
+            self.compressor = Compressor(args.dim, D, self.ratio, args.norm_eps)
+            self.indexer = Indexer(args) if (self.ratio == 4 and with_indexer) else None
+
+    @property
+    def has_indexer(self) -> bool:
+        return getattr(self, "indexer", None) is not None
+
+    def forward(self, x: torch.Tensor, ctx: BatchContext) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        T, H, D = x.shape[0], self.n_heads, self.head_dim
+        acc = acc_dtype(x.dtype)
+        cos, sin = ctx.cos_sin(self.rope, x.dtype)  # [T, rd/2]
+        qr = self.q_norm(linear(x, self.wq_a))  # [T, q_lora_rank]
+        q = rms_unweighted(linear(qr, self.wq_b).unflatten(-1, (H, D)), self.eps)  # [T, H, D]
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(linear(x, self.wkv)), cos, sin)  # [T, D]
+        kv_acc = ctx.cp.window_kv(kv).to(acc)
+        win_idx, win_valid = ctx.window_table()  # [T, W]
+        plan = comp = inp = None
+        if self.ratio:
+            plan = ctx.plan(self.ratio)
+            if plan.n_entries and plan.max_entries:
+                comp = ctx.cp.compressed(self.compressor(x, plan, self.rope)).to(acc)  # [C, D]
+                if self.has_indexer:
+                    inp = self.indexer.prepare(x, qr, ctx.pack.pos, plan, self.rope)
+        sink = self.attn_sink.to(acc)
+        outs, kl_sum, kl_rows = [], None, 0
+        for start in range(0, T, ctx.chunk_size):
+            rows = slice(start, min(start + ctx.chunk_size, T))
+            keys, valid = kv_acc[win_idx[rows]], win_valid[rows]  # [R, W, D], [R, W]
+            if comp is not None:
+                vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P]
+                if inp is not None:
+                    c_idx, c_valid = select_topk(inp, vis_idx, vis_valid, rows, self.topk)  # [R, k]
+                else:
+                    c_idx, c_valid = vis_idx, vis_valid
+                keys = torch.cat((keys, comp[c_idx]), dim=1)  # [R, W + K, D]
+                valid = torch.cat((valid, c_valid), dim=1)
+            q_rows = q[rows].to(acc)
+            o_rows, logits = sink_attention(q_rows, keys, valid, sink, self.softmax_scale)
+            outs.append(o_rows)
+            if inp is not None:
+                part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp, logits, c_idx, c_valid, vis_idx, vis_valid)
+                kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n
+        o = apply_rope(torch.cat(outs).to(x.dtype), cos, sin, inverse=True)  # [T, H, D]
+        o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H/G * D], contiguous head groups
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H/G * D]
+        o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)  # [T, G * o_lora_rank]
+        out = linear(o, self.wo_b)
+        if not self.has_indexer:
+            return out, None
+        if kl_sum is None:  # no compressed entry in this batch: an explicit zero
+            kl_sum = sum(p.sum() for p in self.indexer.parameters()) * 0.0
+        return out, kl_sum / max(kl_rows, 1)
+
+    def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: torch.Tensor,
+                  logits: torch.Tensor, c_idx, c_valid, vis_idx, vis_valid) -> tuple[torch.Tensor, int]:
+        """KL(teacher || indexer) summed over the chunk's rows (seed 000 §3; seed 004 items 6b, 11)."""
+        W = ctx.window_table()[0].shape[1]
+        if ctx.kl_target == "selected":
+            teacher = logits[..., W:]  # [R, H, k] main logits at the selected entries
+            student = Indexer.score_at(inp, rows, c_idx)  # [R, k]
+            return kl_teacher_student(teacher, student, c_valid)
+        with torch.no_grad():
+            full = torch.einsum("rhd,cd->rhc", q_rows, comp) * self.softmax_scale  # [R, H, C]
+            H, P = full.shape[1], vis_idx.shape[1]
+            teacher = full.gather(2, vis_idx[:, None, :].expand(-1, H, P))  # [R, H, P]
+        student = Indexer.score_all(inp, rows).gather(1, vis_idx)  # [R, P]
+        return kl_teacher_student(teacher, student, vis_valid)

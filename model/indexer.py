@@ -1,0 +1,128 @@
+"""Lightning indexer of CSA layers: scores, top-k selection and the KL distillation loss.
+
+Spec: reference/v4-model-spec.md §2 "Indexer (CSA layers only)"; seed 000 §2 (three
+phase modes) and §3 (gradient ownership); seed 004 items 5, 6a, 6b, 6e and 11.
+Upstream: ``Indexer`` in the released ``inference/model.py``; the KL objective
+follows DeepSeek-V3.2 §2.1 (the V4 report does not specify it).
+
+Score: ``I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s])`` with
+``w = weights_proj(x) * index_n_heads**-0.5 * index_head_dim**-0.5``.
+Queries come from the main query latent ``qr`` (after ``q_norm``); keys from the
+indexer's own ratio-4 compressor. Both get RoPE (layer frequencies; queries at their
+positions, keys at 4i) and, with ``use_hadamard``, the normalised Hadamard rotation.
+The indexer sees ``x`` and ``qr`` DETACHED: its loss never reaches the backbone.
+Never builds [T, H, P] for all queries at once; callers pass query chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .args import ModelArgs
+from .common import acc_dtype, linear
+from .compressor import Compressor, hadamard_matrix
+from .packing import CompressPlan
+from .rope import RotaryEmbedding, apply_rope
+
+
+@dataclass
+class IndexerInputs:
+    """Per-forward indexer tensors. q: [T, H_I, d_I]; w: [T, H_I] (temperature folded in);
+    keys: [C, d_I]. All carry gradients to indexer parameters only."""
+
+    q: torch.Tensor
+    w: torch.Tensor
+    keys: torch.Tensor
+
+
+class Indexer(nn.Module):
+    """Lightning indexer. Parameters (released names): ``wq_b.weight`` [H_I*d_I, q_lora_rank],
+    ``weights_proj.weight`` [H_I, dim], ``compressor.*`` (ratio 4, head_dim d_I, rotated)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.topk, self.use_hadamard = args.index_topk, args.use_hadamard
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.dim, self.n_heads, bias=False)
+        self.compressor = Compressor(args.dim, self.head_dim, 4, args.norm_eps, rotate=args.use_hadamard)
+
+    @property
+    def weight_scale(self) -> float:
+        """Head-weight temperature ``index_n_heads**-0.5 * index_head_dim**-0.5`` (seed 004 item 6a)."""
+        return self.n_heads ** -0.5 * self.head_dim ** -0.5
+
+    def prepare(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
+                rope: RotaryEmbedding) -> IndexerInputs:
+        """Queries, head weights and keys. x [T, dim], qr [T, q_lora_rank] are detached here."""
+        x, qr = x.detach(), qr.detach()
+        q = linear(qr, self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))  # [T, H_I, d_I]
+        cos, sin = rope.cos_sin(positions, x.dtype)
+        q = apply_rope(q, cos, sin)
+        if self.use_hadamard:
+            acc = acc_dtype(x.dtype)
+            q = (q.to(acc) @ hadamard_matrix(self.head_dim, acc, x.device)).to(x.dtype)
+        w = linear(x, self.weights_proj, acc_dtype(x.dtype)) * self.weight_scale  # [T, H_I]
+        return IndexerInputs(q=q, w=w, keys=self.compressor(x, plan, rope))
+
+    @staticmethod
+    def score_all(inp: IndexerInputs, rows: slice) -> torch.Tensor:
+        """Scores of the query rows against every entry of the batch: [R, C] (accumulation dtype)."""
+        acc = acc_dtype(inp.q.dtype)
+        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys.to(acc))  # [R, H_I, C]
+        return torch.einsum("rhc,rh->rc", logits.relu(), inp.w[rows])
+
+    @staticmethod
+    def score_at(inp: IndexerInputs, rows: slice, idx: torch.Tensor) -> torch.Tensor:
+        """Scores at given entries: idx [R, K] global entry ids -> [R, K] (accumulation dtype)."""
+        acc = acc_dtype(inp.q.dtype)
+        keys = inp.keys[idx].to(acc)  # [R, K, d_I]
+        logits = torch.einsum("rhd,rkd->rhk", inp.q[rows].to(acc), keys)  # [R, H_I, K]
+        return torch.einsum("rhk,rh->rk", logits.relu(), inp.w[rows])
+
+
+def select_topk(inp: IndexerInputs, vis_idx: torch.Tensor, vis_valid: torch.Tensor, rows: slice,
+                topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k visible entries per query row (no gradient: selection is discrete).
+
+    Args:
+        vis_idx, vis_valid: [R, P] visible entries of the rows (``packing.visible_table``).
+    Returns:
+        sel_idx [R, k] global entry ids (0 where invalid), sel_valid [R, k] bool, with
+        k = min(topk, P); a query with fewer than k visible entries gets invalid slots.
+    """
+    k = min(topk, vis_idx.shape[1])
+    with torch.no_grad():
+        scores = Indexer.score_all(inp, rows).gather(1, vis_idx)  # [R, P]
+        scores = scores.masked_fill(~vis_valid, float("-inf"))
+        top = scores.topk(k, dim=1).indices  # [R, k] positions in the visible list
+    sel_valid = vis_valid.gather(1, top)
+    return vis_idx.gather(1, top) * sel_valid, sel_valid
+
+
+def kl_teacher_student(teacher_logits: torch.Tensor, student: torch.Tensor,
+                       valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum over rows of KL(p_teacher || p_indexer) over a candidate set.
+
+    Args:
+        teacher_logits: [R, H, K] main-attention logits (already scaled) at the candidates;
+            detached here. The teacher is the per-head softmax over the candidates,
+            averaged over heads (the head-summed distribution, renormalised).
+        student: [R, K] indexer scores at the same candidates (with gradient).
+        valid: [R, K] candidate mask; rows without a valid candidate are skipped.
+    Returns:
+        (sum of per-row KL, number of rows counted).
+    """
+    teacher_logits = teacher_logits.detach().masked_fill(~valid[:, None, :], float("-inf"))
+    has = valid.any(dim=1)  # [R]
+    if not bool(has.any()):
+        return student.sum() * 0.0, 0
+    teacher_logits, student, valid = teacher_logits[has], student[has], valid[has]
+    p_t = teacher_logits.softmax(dim=-1).mean(dim=1)  # [R', K]
+    log_p_s = student.masked_fill(~valid, float("-inf")).log_softmax(dim=-1)
+    log_p_s = log_p_s.masked_fill(~valid, 0.0)
+    kl = torch.special.xlogy(p_t, p_t) - p_t * log_p_s  # [R', K]
+    return kl.sum(), int(has.sum())

@@ -1,0 +1,86 @@
+"""Manifold-constrained hyper-connections (mHC): residual streams mixed per sub-layer.
+
+Spec: reference/v4-model-spec.md §3 "mHC (per sub-layer)" and "Model" (head mixing);
+§4 item 5 (row softmax first, then Sinkhorn).
+Upstream: ``Block.hc_pre`` / ``Block.hc_post`` / ``ParallelHead.hc_head`` in the
+released ``inference/model.py`` and ``hc_split_sinkhorn`` in ``inference/kernel.py``.
+
+Shapes: streams X [T, hc, dim]; ``fn`` [(2+hc)*hc, hc*dim]; ``base`` [(2+hc)*hc];
+``scale`` [3]. All mixing math runs in float32 (float64 for a float64 model); the
+block input and new streams are cast back to the stream dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import acc_dtype
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten streams and project: returns (flat [T, hc*dim], mixes [T, n_mix]) in acc dtype.
+
+    ``mixes = (flat @ fn.T) * rsqrt(mean(flat**2) + norm_eps)`` (unweighted RMS norm over hc*dim).
+    """
+    acc = acc_dtype(x.dtype)
+    flat = x.flatten(1).to(acc)  # [T, hc*dim]
+    rs = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return flat, (flat @ fn.to(acc).t()) * rs
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic mixing matrix from logits [..., hc, hc] (rows j = source stream).
+
+    Row softmax, ``+ eps``, divide by column sums ``(+ eps)``, then ``iters - 1`` rounds of
+    row then column normalisation (each ``+ eps`` in the denominator). Source:
+    ``hc_split_sinkhorn`` kernel.
+    """
+    comb = logits.softmax(dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reduce streams to one block input and compute the post/comb weights.
+
+    Returns:
+        y [T, dim] = sum_j pre_j X_j (stream dtype), with pre = sigmoid(m[:hc]*s0 + b) + hc_eps;
+        post [T, hc] = 2 * sigmoid(m[hc:2hc]*s1 + b);
+        comb [T, hc, hc] = sinkhorn(m[2hc:]*s2 + b), comb[j, k] weighs source j into stream k.
+    """
+    T, hc, dim = x.shape
+    flat, m = _mixes(x, fn, norm_eps)
+    acc = flat.dtype
+    scale, base = scale.to(acc), base.to(acc)
+    z = m  # [T, n_mix]
+    pre = torch.sigmoid(z[:, :hc] * scale[0] + base[:hc]) + hc_eps  # [T, hc]
+    post = 2 * torch.sigmoid(z[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])  # [T, hc]
+    comb = sinkhorn((z[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(T, hc, hc), iters, hc_eps)
+    y = (pre.unsqueeze(-1) * flat.view(T, hc, dim)).sum(dim=1)  # [T, dim]
+    return y.to(x.dtype), post, comb
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: ``X'_k = post_k * F + sum_j comb[j, k] * X_j``.
+
+    f [T, dim] (sub-layer output), residual [T, hc, dim] -> [T, hc, dim] in f's dtype.
+    """
+    acc = post.dtype
+    mixed = torch.einsum("tjk,tjd->tkd", comb, residual.to(acc))  # [T, hc, dim]
+    return (post.unsqueeze(-1) * f.to(acc).unsqueeze(1) + mixed).to(f.dtype)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final stream reduction before the last norm: ``sum_j (sigmoid(m_j*s + b_j) + hc_eps) X_j``.
+
+    x [T, hc, dim]; fn [hc, hc*dim]; scale [1]; base [hc] -> [T, dim] (stream dtype). No Sinkhorn.
+    """
+    T, hc, dim = x.shape
+    flat, m = _mixes(x, fn, norm_eps)
+    pre = torch.sigmoid(m * scale.to(flat.dtype) + base.to(flat.dtype)) + hc_eps  # [T, hc]
+    return (pre.unsqueeze(-1) * flat.view(T, hc, dim)).sum(dim=1).to(x.dtype)

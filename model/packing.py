@@ -1,0 +1,165 @@
+"""THD packing helpers: segment tables, sliding windows, compressed-entry plans.
+
+Spec: reference/v4-model-spec.md §2 ("Sliding window", "Incomplete tail",
+"Causality") and seed 000 §4 (what must reset at a packed-sample boundary).
+Upstream: ``get_window_topk_idxs`` and ``get_compress_topk_idxs`` in the released
+``inference/model.py`` (single-sequence versions of the tables built here).
+
+A batch is ``tokens`` [T] (no batch dim) with ``cu_seqlens`` [N+1] (0 = first,
+T = last) and ``max_seqlen``. Everything positional is computed per segment:
+positions restart at 0, windows and compressed entries never cross a boundary, and
+a segment's tail shorter than the ratio produces no compressed entry.
+All tables are index tensors built without Python loops over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _bad(arg: str, value: object, rule: str, fix: str) -> ValueError:
+    return ValueError(f"{arg}={value}: {rule}. Fix: {fix}.")
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Segment tables of one packed batch (all int64 tensors on the tokens' device).
+
+    Attributes:
+        cu: [N+1] segment starts, cu[0] = 0, cu[N] = T.
+        lengths: [N] tokens per segment.
+        seg: [T] segment id of each token.
+        pos: [T] position of each token inside its segment (0-based).
+        n_tokens: T.  max_seqlen: upper bound on any segment length (host int).
+    """
+
+    cu: torch.Tensor
+    lengths: torch.Tensor
+    seg: torch.Tensor
+    pos: torch.Tensor
+    n_tokens: int
+    max_seqlen: int
+
+    @property
+    def n_segments(self) -> int:
+        return self.lengths.numel()
+
+
+def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> Pack:
+    """Validate a THD batch and build its :class:`Pack`.
+
+    Raises:
+        ValueError: tokens not a 1-D integer tensor; cu_seqlens not 1-D integer, not
+            starting at 0, not ending at T, not strictly increasing; max_seqlen smaller
+            than the longest segment.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.is_floating_point():
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise _bad("tokens", shape, "must be a 1-D integer tensor [T] (THD layout, no batch dim)",
+                   "flatten the packed batch and pass segment boundaries in cu_seqlens")
+    T = tokens.numel()
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        desc = (cu_seqlens.dtype, tuple(cu_seqlens.shape)) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+        raise _bad("cu_seqlens", desc, "must be a 1-D int32/int64 tensor [N+1]",
+                   "pass cumulative segment lengths, e.g. tensor([0, 5, 12])")
+    cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64)
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T:
+        raise _bad("cu_seqlens", cu.tolist(), f"must start at 0 and end at T={T} with at least one segment",
+                   "build it as [0, len_0, len_0 + len_1, ..., T]")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths <= 0).any()):
+        raise _bad("cu_seqlens", cu.tolist(), "must be strictly increasing (no empty segment)",
+                   "drop empty segments from the pack")
+    longest = int(lengths.max())
+    if not isinstance(max_seqlen, int) or max_seqlen < longest:
+        raise _bad("max_seqlen", max_seqlen, f"must be an int >= the longest segment ({longest})",
+                   "pass max(cu_seqlens[1:] - cu_seqlens[:-1]) or the packing capacity")
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=T)
+    pos = torch.arange(T, device=cu.device) - cu[seg]
+    return Pack(cu=cu, lengths=lengths, seg=seg, pos=pos, n_tokens=T, max_seqlen=max_seqlen)
+
+
+def check_labels(labels: torch.Tensor, n_tokens: int) -> None:
+    """Raise ValueError unless ``labels`` is an integer tensor [T] (-100 = ignore)."""
+    if not isinstance(labels, torch.Tensor) or labels.shape != (n_tokens,) or labels.is_floating_point():
+        desc = (labels.dtype, tuple(labels.shape)) if isinstance(labels, torch.Tensor) else labels
+        raise _bad("labels", desc, f"must be an integer tensor of shape ({n_tokens},) like tokens",
+                   "set labels[t] = tokens[t+1] inside a segment and -100 at each segment's last token and padding")
+
+
+def window_table(pack: Pack, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window keys per query: query t sees tokens max(seg_start, t-window+1) .. t.
+
+    Returns:
+        idx: [T, W] token indices (W = min(window, max_seqlen)), oldest first; 0 where invalid.
+        valid: [T, W] bool.
+    """
+    W = min(window, pack.max_seqlen)
+    back = torch.arange(W - 1, -1, -1, device=pack.pos.device)  # distance from the query, [W]
+    valid = back[None, :] <= pack.pos[:, None]  # [T, W]
+    idx = torch.arange(pack.n_tokens, device=pack.pos.device)[:, None] - back[None, :]
+    return idx.clamp_min(0) * valid, valid
+
+
+@dataclass(frozen=True)
+class CompressPlan:
+    """Compressed entries of one ratio over a packed batch (global entry order = segment order).
+
+    Attributes:
+        ratio: 4 or 128.
+        n_entries: C = sum over segments of floor(L_b / ratio) (incomplete tails dropped).
+        start: [C] token index of the first token of each entry's (current) window.
+        pos: [C] RoPE position of each entry inside its segment: i * ratio.
+        has_prev: [C] whether entry i has a previous window in its segment (i >= 1).
+        seg_offset: [N] global index of each segment's first entry.
+        n_visible: [T] entries visible to each query: (pos + 1) // ratio.
+        max_entries: host bound on entries of one segment: max_seqlen // ratio.
+    """
+
+    ratio: int
+    n_entries: int
+    start: torch.Tensor
+    pos: torch.Tensor
+    has_prev: torch.Tensor
+    seg_offset: torch.Tensor
+    n_visible: torch.Tensor
+    max_entries: int
+
+
+def compress_plan(pack: Pack, ratio: int) -> CompressPlan:
+    """Build the :class:`CompressPlan` of ``ratio`` for ``pack`` (vectorised over entries)."""
+    counts = pack.lengths // ratio  # [N]
+    C = int(counts.sum())
+    seg_offset = torch.cumsum(counts, 0) - counts
+    entry_seg = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=C)
+    i = torch.arange(C, device=counts.device) - seg_offset[entry_seg]  # index inside the segment
+    return CompressPlan(ratio=ratio, n_entries=C, start=pack.cu[entry_seg] + i * ratio, pos=i * ratio,
+                        has_prev=i > 0, seg_offset=seg_offset, n_visible=(pack.pos + 1) // ratio,
+                        max_entries=pack.max_seqlen // ratio)
+
+
+def visible_table(pack: Pack, plan: CompressPlan, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All compressed entries visible to each query (entry i iff i < (pos+1)//ratio).
+
+    Returns:
+        idx: [R, P] global entry indices (P = plan.max_entries), 0 where invalid.
+        valid: [R, P] bool. R = T, or the rows selected by ``rows``.
+    """
+    rows = rows or slice(None)
+    j = torch.arange(plan.max_entries, device=pack.pos.device)
+    valid = j[None, :] < plan.n_visible[rows, None]
+    idx = plan.seg_offset[pack.seg[rows]][:, None] + j[None, :]
+    return idx * valid, valid
+
+
+def shift_in_segment(x: torch.Tensor, pack: Pack, fill: int) -> torch.Tensor:
+    """out[t] = x[t+1] if t+1 is in t's segment, else ``fill``. [T] -> [T].
+
+    Used for the MTP inputs and targets (spec §3 "MTP"): depth k applies it k times.
+    """
+    nxt = torch.cat((x[1:], x.new_full((1,), fill)))
+    last = torch.zeros_like(pack.seg, dtype=torch.bool)
+    last[pack.cu[1:] - 1] = True
+    return torch.where(last, torch.full_like(x, fill), nxt)
