@@ -1,0 +1,281 @@
+"""One launcher interface for every place a run can execute: launch, status, cancel, logs.
+
+``launcher_for(run_dir)`` picks the implementation recorded in run.json["launcher"]:
+
+* ``local`` — :class:`LocalLauncher` (this file): world size = cluster.nodes · cluster.gpus_per_node
+  of the run's recipe; 1 → ``train()`` in this process; > 1 → that many worker processes on this
+  host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set.
+* ``slurm`` — ``v4launch.slurm.launcher.SlurmLauncher`` (imported lazily, only for Slurm runs).
+
+Every launcher records what it did in ``<run>/launch.json`` (state, pid or job id, result) so that
+``status`` / ``cancel`` / ``logs`` work from any later shell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import RefusedError, UsageError
+from .rundir import RunPaths, read_run_json, write_json_atomic
+from .training.result import TrainResult
+
+RUNNING = "running"
+FINAL_STATES = ("completed", "stage_completed", "stopped", "max_steps", "failed")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What ``launch`` did: the launcher name, a job id (Slurm) or pids (local), and the result when
+    the launcher ran the job to its end in the foreground (local) — None when it was only submitted."""
+
+    launcher: str
+    run_dir: Path
+    job_id: str | None = None
+    result: TrainResult | None = None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Where a run stands: state (running, completed, stopped, max_steps, stage_completed, failed,
+    died, not launched), the last logged step, the latest checkpoint and launcher-specific details."""
+
+    state: str
+    launcher: str
+    step: int | None = None
+    stage: str | None = None
+    checkpoint: Path | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Launcher(ABC):
+    """Interface of every launcher. Implementations: LocalLauncher here, SlurmLauncher in v4launch.slurm."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def launch(self, run_dir: Path, *, max_steps: int | None = None, progress: bool = True) -> LaunchInfo:
+        """Start (or continue) the run in ``run_dir``; the job resumes from its latest checkpoint."""
+
+    @abstractmethod
+    def status(self, run_dir: Path) -> RunStatus:
+        """Current state of the run (never raises for a run that simply has not started)."""
+
+    @abstractmethod
+    def cancel(self, run_dir: Path) -> None:
+        """Ask the run to stop: it finishes the current step, saves a checkpoint and exits."""
+
+    @abstractmethod
+    def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
+        """Lines of the run's log (rank 0 first); with ``follow`` keep yielding until the run ends."""
+
+
+# ---------------------------------------------------------------- shared helpers
+def read_launch(run_dir: Path) -> dict[str, Any]:
+    """launch.json of a run ({} when the run was never launched)."""
+    try:
+        return json.loads(RunPaths(Path(run_dir)).launch.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_launch(run_dir: Path, **values: Any) -> dict[str, Any]:
+    """Merge ``values`` into launch.json (atomically) and return the new content."""
+    state = read_launch(run_dir)
+    state.update(values, updated=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    write_json_atomic(RunPaths(Path(run_dir)).launch, state)
+    return state
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any] | None:
+    """The last training record of metrics.jsonl (None when nothing was logged yet)."""
+    path = RunPaths(Path(run_dir)).metrics
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind", "train") == "train":
+            return rec
+    return None
+
+
+def latest_checkpoint_path(run_dir: Path) -> Path | None:
+    """Latest complete checkpoint of the run (None if none or the checkpoints package is missing)."""
+    try:
+        from .checkpoints import latest_checkpoint
+    except ImportError:
+        return None
+    return latest_checkpoint(RunPaths(Path(run_dir)).checkpoints)
+
+
+def files_status(run_dir: Path, launcher: str, state: str, detail: dict[str, Any]) -> RunStatus:
+    """A RunStatus filled from the run directory's files (metrics and checkpoints)."""
+    rec = last_metrics(run_dir) or {}
+    return RunStatus(state=state, launcher=launcher, step=rec.get("step"), stage=rec.get("stage"),
+                     checkpoint=latest_checkpoint_path(run_dir), detail=detail)
+
+
+def follow_files(paths: list[Path], still_running, poll_s: float = 1.0) -> Iterator[str]:
+    """Yield lines of ``paths`` as they grow while ``still_running()``; then the remainder."""
+    offsets = {p: 0 for p in paths}
+    while True:
+        running = still_running()
+        for p in paths:
+            try:
+                with p.open() as f:
+                    f.seek(offsets[p])
+                    chunk = f.read()
+                    offsets[p] = f.tell()
+            except OSError:
+                continue
+            yield from chunk.splitlines()
+        if not running:
+            return
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------- local
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LocalLauncher(Launcher):
+    """Runs on this host, in the foreground: in-process for world size 1, else one process per rank."""
+
+    name = "local"
+
+    def launch(self, run_dir: Path, *, max_steps: int | None = None, progress: bool = True) -> LaunchInfo:
+        """Run the job to its end (or until max_steps / a cancel). Returns with ``result`` set.
+
+        Raises:
+            RefusedError: another launch of this run is still running.
+            V4LaunchError: whatever the job raises for a user mistake (e.g. a CP > 1 stage).
+        """
+        from .rundir import load_run
+
+        run_dir = Path(run_dir).resolve()
+        prev = read_launch(run_dir)
+        if prev.get("state") == RUNNING and any(_alive(p) for p in prev.get("pids", [])):
+            raise RefusedError(f"run {run_dir.name} is already running (pids {prev['pids']})",
+                               hint=f"wait for it, or stop it with `v4launch cancel {run_dir}`")
+        world = load_run(run_dir).recipe.cluster.world_size
+        if world == 1:
+            result = self._in_process(run_dir, max_steps, progress)
+        else:
+            result = self._spawn(run_dir, world, max_steps)
+        return LaunchInfo(launcher=self.name, run_dir=run_dir, result=result)
+
+    def _in_process(self, run_dir: Path, max_steps: int | None, progress: bool) -> TrainResult:
+        from .training.job import train
+
+        record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[os.getpid()], world_size=1, result=None)
+        try:
+            result = train(run_dir, max_steps=max_steps, progress=progress)
+        except BaseException as exc:
+            record_launch(run_dir, state="failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        record_launch(run_dir, state=result.status, result=result.to_json())
+        return result
+
+    def _spawn(self, run_dir: Path, world: int, max_steps: int | None) -> TrainResult:
+        env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   LOCAL_WORLD_SIZE=str(world))
+        cmd = [sys.executable, "-m", "v4launch.training.worker", str(run_dir)]
+        if max_steps is not None:
+            cmd += ["--max-steps", str(max_steps)]
+        logs = RunPaths(run_dir).logs
+        logs.mkdir(exist_ok=True)
+        procs = []
+        for rank in range(world):
+            out = (logs / f"worker{rank}.out").open("a")
+            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                          stdout=out, stderr=subprocess.STDOUT))
+        record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[p.pid for p in procs], world_size=world,
+                      result=None)
+        try:
+            codes = [p.wait() for p in procs]
+        except KeyboardInterrupt:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            codes = [p.wait() for p in procs]
+        result_file = logs / "result.rank0.json"
+        if any(codes) or not result_file.is_file():
+            record_launch(run_dir, state="failed", exit_codes=codes)
+            raise RefusedError(f"run {run_dir.name} failed: worker exit codes {codes}",
+                               hint=f"read {logs}/worker<R>.out and {logs}/rank<R>.log")
+        result = TrainResult.from_json(json.loads(result_file.read_text()))
+        record_launch(run_dir, state=result.status, result=result.to_json(), exit_codes=codes)
+        return result
+
+    def status(self, run_dir: Path) -> RunStatus:
+        """State from launch.json; a 'running' run whose processes are gone reads 'died'."""
+        launch = read_launch(run_dir)
+        state = launch.get("state", "not launched")
+        if state == RUNNING and not any(_alive(p) for p in launch.get("pids", [])):
+            state = "died"
+        return files_status(run_dir, self.name, state, {"pids": launch.get("pids", [])})
+
+    def cancel(self, run_dir: Path) -> None:
+        """SIGTERM each live process of the run; the job saves a checkpoint and returns 'stopped'.
+
+        Raises:
+            RefusedError: the run is not running.
+        """
+        launch = read_launch(run_dir)
+        pids = [p for p in launch.get("pids", []) if _alive(p)] if launch.get("state") == RUNNING else []
+        if not pids:
+            raise RefusedError(f"run {Path(run_dir).name} is not running (state: {launch.get('state', 'not launched')})",
+                               hint=f"resume it with `v4launch resume {run_dir}`")
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+
+    def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
+        """rank0.log (then the other ranks' logs); with ``follow``, until the run leaves 'running'."""
+        logs = RunPaths(Path(run_dir)).logs
+        paths = sorted(logs.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
+        if not paths:
+            paths = [logs / "rank0.log"]
+        yield from follow_files(paths, (lambda: self.status(run_dir).state == RUNNING) if follow else (lambda: False))
+
+
+def launcher_for(run_dir: Path) -> Launcher:
+    """The launcher recorded in run.json["launcher"] ("local" or "slurm").
+
+    Raises:
+        UsageError: not a run directory, or an unknown launcher name.
+    """
+    name = read_run_json(Path(run_dir)).get("launcher", "local")
+    if name == "local":
+        return LocalLauncher()
+    if name == "slurm":
+        from .slurm.launcher import SlurmLauncher  # lazy: only Slurm runs need submitit
+
+        return SlurmLauncher()
+    raise UsageError(f"run {run_dir} names an unknown launcher {name!r}", hint="expected 'local' or 'slurm' in run.json")

@@ -1,0 +1,87 @@
+"""Recipe loading for the job and the run/resume commands.
+
+Uses ``v4launch.recipe_loading.load_recipe`` (the project's loader: composition,
+interpolation, provenance) when it is importable; otherwise a minimal local loader
+with the same result shape (omegaconf load + dotlist overrides + ``Recipe.model_validate``).
+Validation likewise uses ``v4launch.validators.validate_recipe`` when available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import ContractViolation, RecipeError
+
+
+@dataclass(frozen=True)
+class _LoadedRecipe:
+    """Fallback LoadedRecipe: ``.recipe`` (Recipe), ``.resolved`` (dict), ``.path``, ``.to_yaml()``."""
+
+    recipe: Any
+    resolved: dict
+    path: Path | None
+
+    def to_yaml(self) -> str:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_yaml(OmegaConf.create(self.resolved))
+
+
+def _fallback_load(path: Path, overrides: Sequence[str]) -> _LoadedRecipe:
+    from omegaconf import OmegaConf
+    from pydantic import ValidationError
+
+    from ..validators.schema import Recipe
+
+    try:
+        cfg = OmegaConf.load(path)
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:  # omegaconf / yaml errors of many kinds
+        raise RecipeError(f"cannot read recipe {path}: {exc}", hint="check the YAML syntax and the overrides") from None
+    try:
+        recipe = Recipe.model_validate(resolved)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise RecipeError(f"recipe {path}: {loc}: {first['msg']} ({exc.error_count()} error(s))",
+                          hint="run `v4launch validate` on it for the full report") from None
+    return _LoadedRecipe(recipe=recipe, resolved=resolved, path=Path(path))
+
+
+def load_recipe(path: Path | str, overrides: Sequence[str] = ()) -> Any:
+    """Load ``path`` with dotlist ``overrides`` into a LoadedRecipe.
+
+    Raises:
+        RecipeError: unreadable file or schema mismatch (exit 2).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist", hint="name an existing YAML file, e.g. recipes/tiny_cpu.yaml")
+    try:
+        from ..recipe_loading import load_recipe as project_load  # type: ignore[attr-defined]
+    except ImportError:
+        return _fallback_load(path, overrides)
+    return project_load(path, list(overrides))
+
+
+def check_recipe(loaded: Any) -> list[str]:
+    """Validate the contract; return warning lines.
+
+    Raises:
+        ContractViolation: when the report has violations; the message lists every rule id.
+    """
+    try:
+        from ..validators import validate_recipe  # type: ignore[attr-defined]
+    except ImportError:
+        return []
+    report = validate_recipe(loaded)
+    if not report.ok:
+        lines = [f"{getattr(v, 'rule', getattr(v, 'id', '?'))}: {getattr(v, 'message', v)}" for v in report.violations]
+        raise ContractViolation(
+            f"recipe {loaded.recipe.name} breaks the V4 contract ({len(lines)} violation(s)):\n  " + "\n  ".join(lines),
+            hint="run `v4launch validate RECIPE` for the full report, fix the fields, then run again")
+    return [str(getattr(w, "message", w)) for w in getattr(report, "warnings", [])]
