@@ -1,1 +1,12 @@
-"""validators/rules"""
+"""Contract rules: one small registered function per rule (see ``base.py`` for the protocol).
+
+Importing this package registers every rule in ``RULES`` (id → ``Rule``); the import order
+below is the order rules appear in reports.
+"""
+
+# isort: off
+from . import world, attention, context_parallel, precision, pipeline, phases, released  # noqa: F401  (registration)
+# isort: on
+from .base import RULES, Checked, Context, Finding, NotApplicable, Rule, rule
+
+__all__ = ["RULES", "Checked", "Context", "Finding", "NotApplicable", "Rule", "rule"]

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .attention import IndexerLoss
+from .attention import IndexerLoss, KernelBackend
 from .base import Section
 
 Phase = Literal["dense", "warmup", "sparse"]
@@ -33,6 +33,7 @@ class Stage(Section):
     cp: int | None = Field(None, ge=1, description="Context-parallel size for this stage; null = parallel.cp.")
     phase: Phase = Field("sparse", description="Attention phase: dense, warmup or sparse.")
     indexer_loss: IndexerLoss | None = Field(None, description="KL target override; null = the phase default (warmup: dense, sparse: sparse).")
+    kernel_backend: KernelBackend | None = Field(None, description="Attention kernels for this stage; null = attention.kernel_backend (e.g. 'reference' for a dense-loss warm-up on SM90).")
     tokens: int | None = Field(None, ge=1, description="Budget in training tokens (global, all ranks).")
     steps: int | None = Field(None, ge=1, description="Budget in optimizer steps.")
     lr: float | None = Field(None, gt=0, description="Peak learning rate of this stage; null = optimizer.lr.")

@@ -1,0 +1,114 @@
+"""Attention-module rules: TP, layer schedule, output groups, recompute/offload, kernel gates."""
+
+from __future__ import annotations
+
+from ..schema.attention import FUSED_BACKENDS
+from .base import Context, rule
+
+
+@rule("V4-TP-ONE", fields=("parallel.tp",), scope="recipe",
+      fix="set parallel.tp=1; scale attention with CP (long sequences) and DP/EP instead")
+def check_tp_one(ctx: Context):
+    """Tensor parallelism must be 1: V4 hybrid attention has no TP path.
+
+    Source: Megatron-LM transformer_config.py:1760 and deepseek_v4_hybrid_attention.py:90; seed 000 §11.1.
+    """
+    tp = ctx.parallel.tp
+    if tp != 1:
+        return ctx.finding("parallel.tp", tp, f"tp={tp}, but DSv4 hybrid attention only supports TP size 1")
+    return ctx.ok("parallel.tp", tp)
+
+
+@rule("V4-RATIOS-LENGTH", fields=("model.compress_ratios", "model.n_layers", "model.mtp.depth"), scope="recipe",
+      fix="give model.compress_ratios one entry per decoder layer, then one per MTP layer (released: …, 4, 0)")
+def check_ratios_length(ctx: Context):
+    """compress_ratios has exactly one entry per decoder layer plus one per MTP layer.
+
+    Source: v4-model-spec §1 (Flash 44 = 43 + 1 entries); Megatron transformer_config.py:1753.
+    """
+    m = ctx.model
+    want, got = m.n_layers + m.mtp.depth, len(m.compress_ratios)
+    if got != want:
+        return ctx.finding("model.compress_ratios", f"<{got} entries>",
+                           f"{got} entries, but n_layers + mtp.depth = {m.n_layers} + {m.mtp.depth} = {want}")
+    return ctx.ok("model.compress_ratios", f"<{got} entries>")
+
+
+@rule("V4-OGROUPS", fields=("model.n_heads", "model.head_dim", "model.o_groups"), scope="recipe",
+      fix="choose model.o_groups dividing n_heads·head_dim (released: 8 for Flash, 16 for Pro)")
+def check_o_groups(ctx: Context):
+    """n_heads × head_dim must be divisible by o_groups (grouped output projection).
+
+    Source: Megatron deepseek_v4_hybrid_attention.py:173; v4-model-spec §2 "Output".
+    """
+    m = ctx.model
+    width = m.n_heads * m.head_dim
+    if width % m.o_groups:
+        return ctx.finding("model.o_groups", m.o_groups, f"n_heads·head_dim = {width} is not divisible by o_groups={m.o_groups}")
+    return ctx.ok("model.o_groups", m.o_groups)
+
+
+@rule("V4-RECOMPUTE", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
+      fix="drop 'core_attn' and list the modules explicitly, e.g. parallel.recompute_modules=[mla_up_proj]")
+def check_recompute(ctx: Context):
+    """No core-attention recompute; selective recompute must name its modules (Megatron's default is core_attn).
+
+    Source: Megatron deepseek_v4_hybrid_attention.py:94-99 and transformer_config.py:2192; seed 000 §10.
+    """
+    p = ctx.parallel
+    if "core_attn" in p.recompute_modules:
+        return ctx.finding("parallel.recompute_modules", list(p.recompute_modules), "'core_attn' recompute is rejected by V4 hybrid attention")
+    if p.recompute_granularity == "selective" and not p.recompute_modules:
+        return ctx.finding("parallel.recompute_modules", [], "selective recompute without modules means ['core_attn'] in Megatron")
+    return ctx.ok("parallel.recompute_modules", list(p.recompute_modules))
+
+
+@rule("V4-OFFLOAD-QKV", fields=("parallel.offload_modules",), scope="recipe",
+      fix="remove 'qkv_linear' from parallel.offload_modules ('core_attn' offload is allowed)")
+def check_offload(ctx: Context):
+    """QKV-linear activation offload is not supported by V4 hybrid attention.
+
+    Source: Megatron deepseek_v4_hybrid_attention.py:94-99; seed 000 §10.
+    """
+    mods = list(ctx.parallel.offload_modules)
+    if "qkv_linear" in mods:
+        return ctx.finding("parallel.offload_modules", mods, "'qkv_linear' offload is rejected by V4 hybrid attention")
+    return ctx.ok("parallel.offload_modules", mods)
+
+
+@rule("V4-KERNEL-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
+      fix="target an SM90+ GPU (cluster.gpu=H100/H200/B200…) or use kernel_backend=reference")
+def check_kernel_sm(ctx: Context):
+    """Fused kernel backends (triton, cudnn) need an SM90-or-newer GPU.
+
+    Source: Megatron transformer_config.py:1774 (cudnn: SM90+); seed 000 §8.1.
+    """
+    backend = ctx.backend
+    if backend not in FUSED_BACKENDS:
+        return ctx.na(f"kernel_backend={backend}")
+    if ctx.sm is None or ctx.sm < 90:
+        where = "a CPU target" if ctx.sm is None else f"SM{ctx.sm}"
+        return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})")
+    return ctx.ok(ctx.backend_field, backend, f"SM{ctx.sm}")
+
+
+@rule("V4-SM90-DENSE-LOSS", fields=("cluster.gpu", "attention.kernel_backend", "curriculum.stages.*.phase",
+                                    "curriculum.stages.*.indexer_loss", "attention.indexer_loss_coeff"),
+      fix="use the sparse indexer loss for this stage, or kernel_backend=reference for it")
+def check_sm90_dense_loss(ctx: Context):
+    """On SM90, fused CSA kernels with a dense indexer loss are rejected (sparse loss or reference kernels instead).
+
+    Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1.
+    """
+    s, sm = ctx.stage, ctx.sm
+    if sm is None or sm // 10 != 9 or ctx.backend not in FUSED_BACKENDS or 4 not in ctx.all_ratios:
+        return ctx.na("needs SM90, a fused backend and ratio-4 layers")
+    if s.phase == "dense" or ctx.recipe.attention.indexer_loss_coeff <= 0:
+        return ctx.na("no indexer loss in this stage")
+    field = ctx.stage_path("indexer_loss" if s.indexer_loss else "phase")
+    value = s.indexer_loss or s.phase
+    if s.effective_indexer_loss == "dense":
+        fix = (f"set {ctx.stage_path('indexer_loss')}=sparse, or {ctx.stage_path('kernel_backend')}=reference "
+               f"(or attention.kernel_backend=reference)")
+        return ctx.finding(field, value, f"dense indexer loss with fused '{ctx.backend}' kernels on SM{sm}", fix)
+    return ctx.ok(field, value)

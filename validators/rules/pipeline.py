@@ -1,0 +1,83 @@
+"""Pipeline-layout rules: grammar, structure, hash-routed layers with E, and per-stage cost balance."""
+
+from __future__ import annotations
+
+from ..cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
+from ..layout import LayoutSyntaxError, parse_layout
+from .base import Context, rule
+
+
+@rule("V4-PP-LAYOUT-SYNTAX", fields=("parallel.pp_layout",), scope="recipe",
+      fix="write the layout with E t m L, '|' between stages, x*n and (…)*n repeats, e.g. Et*10|t*12|t*12|t*9mL")
+def check_layout_syntax(ctx: Context):
+    """parallel.pp_layout follows the layout grammar (E t m L, '|', x*n, (…)*n; commas ignored).
+
+    Source: Megatron transformer/pipeline_parallel_layer_layout.py (parse_str_to_list).
+    """
+    text = ctx.parallel.pp_layout
+    if text is None:
+        return ctx.na("no pp_layout")
+    try:
+        parse_layout(text)
+    except LayoutSyntaxError as err:
+        return ctx.finding("parallel.pp_layout", text, str(err))
+    return ctx.ok("parallel.pp_layout", text)
+
+
+@rule("V4-PP-LAYOUT", fields=("parallel.pp_layout", "parallel.pp", "parallel.vpp", "model.n_layers", "model.mtp.depth"),
+      scope="recipe",
+      fix="one E first, one L last, n_layers 't', mtp.depth 'm' after every t on the last virtual stage of a rank other than 0, pp·vpp stages")
+def check_layout_structure(ctx: Context):
+    """The layout has pp·vpp stages, E first, L last, one t per decoder layer and the MTP layers where Megatron needs them.
+
+    Source: Megatron pipeline_parallel_layer_layout.py (validate_layer_layout) and arguments.py:968-981.
+    """
+    p = ctx.parallel
+    if p.pp_layout is None:
+        if p.pp * p.vpp > 1:
+            return ctx.finding("parallel.pp_layout", None, f"pp·vpp = {p.pp * p.vpp} stages need an explicit layout")
+        return ctx.na("single stage, no layout")
+    if ctx.layout is None:
+        return ctx.na("layout does not parse (V4-PP-LAYOUT-SYNTAX)")
+    found = [ctx.finding("parallel.pp_layout", p.pp_layout, problem) for problem in ctx.layout_problems]
+    return found or ctx.ok("parallel.pp_layout", p.pp_layout, f"{len(ctx.layout.stages)} stages")
+
+
+@rule("V4-PP-HASH-FIRST", fields=("parallel.pp_layout", "model.moe.n_hash_layers"), scope="recipe",
+      fix="move stage boundaries so the first stage holds E and all hash-routed layers")
+def check_hash_first(ctx: Context):
+    """Hash-routed MoE layers sit on the first pipeline stage, together with the embedding E.
+
+    Source: Megatron-Bridge models/deepseek/deepseek_v4_bridge.py:125 (tid2eid needs the token ids); v4-model-spec §3.
+    """
+    n_hash = ctx.model.moe.n_hash_layers
+    if n_hash == 0 or ctx.layout is None:
+        return ctx.na("no hash-routed layers" if n_hash == 0 else "no parsed layout")
+    first = ctx.layout.stages[0]
+    if "E" not in first or first.count("t") < n_hash:
+        return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
+                           f"first stage holds {first.count('t')} decoder layers{'' if 'E' in first else ' and no E'}, "
+                           f"but model.moe.n_hash_layers = {n_hash}")
+    return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout)
+
+
+@rule("V4-PP-BALANCE", fields=("parallel.pp_layout", "curriculum.stages.*.seq_len", "curriculum.stages.*.phase"),
+      fix="use the proposed layout (cost model: docs/validate.md)")
+def check_balance(ctx: Context):
+    """The costliest pipeline stage stays within PP_BALANCE_THRESHOLD (1.25) × the mean stage cost at this stage's seq_len.
+
+    Source: seed 000 §11.3 (equal layer counts are not balanced stages); seed 004 item 12 (4-node rebalance).
+    """
+    lay = ctx.layout
+    if lay is None or ctx.layout_problems or len(lay.stages) < 2:
+        return ctx.na("needs a valid layout with ≥ 2 stages")
+    loss_on = ctx.recipe.attention.indexer_loss_coeff > 0
+    units = unit_costs(ctx.model, ctx.seq_len, ctx.stage.phase, loss_on)
+    ratio = balance_ratio(stage_costs(lay, units))
+    if ratio > PP_BALANCE_THRESHOLD:
+        best = propose_layout(units, len(lay.stages), ctx.model.moe.n_hash_layers)
+        best_ratio = balance_ratio(stage_costs(parse_layout(best), units))
+        return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
+                           f"max/mean stage cost {ratio:.2f} > {PP_BALANCE_THRESHOLD} at seq_len {ctx.seq_len} ({ctx.stage.phase})",
+                           f"set parallel.pp_layout={best} (max/mean {best_ratio:.2f} by the cost model)")
+    return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout, f"max/mean {ratio:.2f}")

@@ -1,0 +1,76 @@
+"""Precision-policy rules: which components stay BF16 / FP32 under FP8, and what FP8 needs."""
+
+from __future__ import annotations
+
+from .base import Context, rule
+
+
+@rule("V4-PREC-BF16-PINS", fields=("precision.policy.compressor_gemm", "precision.policy.indexer_weights_proj",
+                                   "precision.fp8_recipe"), scope="recipe",
+      fix="set precision.policy.compressor_gemm=bf16 and precision.policy.indexer_weights_proj=bf16")
+def check_bf16_pins(ctx: Context):
+    """Compressor GEMMs and the indexer head-weight projection stay BF16, also under an FP8 recipe.
+
+    Source: Megatron csa.py:1064, :1495, :1597 (built outside fp8_model_init); seed 000 §9.
+    """
+    pol = ctx.recipe.precision.policy
+    found = [ctx.finding(f"precision.policy.{name}", getattr(pol, name), f"{name}={getattr(pol, name)}; it must stay bf16")
+             for name in ("compressor_gemm", "indexer_weights_proj") if getattr(pol, name) != "bf16"]
+    return found or ctx.ok("precision.policy.compressor_gemm", pol.compressor_gemm)
+
+
+@rule("V4-PREC-FP32-PINS", fields=("precision.policy.ape", "precision.policy.attn_sink"), scope="recipe",
+      fix="set precision.policy.ape=fp32 and precision.policy.attn_sink=fp32")
+def check_fp32_pins(ctx: Context):
+    """The compressor positional bias (ape) and the attention sink stay FP32: both feed a softmax directly.
+
+    Source: Megatron mark_keep_in_fp32 (csa.py); v4-model-spec §1 dtype table; seed 004 item 6f.
+    """
+    pol = ctx.recipe.precision.policy
+    found = [ctx.finding(f"precision.policy.{name}", getattr(pol, name), f"{name}={getattr(pol, name)}; it must stay fp32")
+             for name in ("ape", "attn_sink") if getattr(pol, name) != "fp32"]
+    return found or ctx.ok("precision.policy.ape", pol.ape)
+
+
+@rule("V4-PREC-INDEXER-QK", fields=("precision.policy.indexer_qk", "attention.indexer_qat"), scope="recipe",
+      fix="set precision.policy.indexer_qk=bf16, or opt in explicitly with attention.indexer_qat=true")
+def check_indexer_qk(ctx: Context):
+    """The indexer QK stays high precision (BF16) unless low-precision indexer QAT is explicitly enabled.
+
+    Source: seed 004 items 4 and 6 (a low-precision selector silently changes which entries are attended); seed 000 §9.
+    """
+    qk = ctx.recipe.precision.policy.indexer_qk
+    if qk != "bf16" and not ctx.recipe.attention.indexer_qat:
+        return ctx.finding("precision.policy.indexer_qk", qk, f"indexer QK in {qk} without attention.indexer_qat")
+    return ctx.ok("precision.policy.indexer_qk", qk)
+
+
+@rule("V4-PREC-FP32-DISTOPT-PP", fields=("precision.keep_fp32_params", "parallel.distributed_optimizer", "parallel.pp"),
+      scope="recipe",
+      fix="set precision.keep_fp32_params=false (FP32 master copies keep update precision), or PP=1 / no distributed optimizer")
+def check_fp32_distopt_pp(ctx: Context):
+    """FP32-pinned parameters with the distributed optimizer at PP > 1 are rejected (mixed-dtype optimizer groups).
+
+    Source: seed 004 item 9 (every GPU aborted at 4 nodes / PP4 / EP8); seed 000 §9 and §12 item 7.
+    """
+    keep, p = ctx.recipe.precision.keep_fp32_params, ctx.parallel
+    if keep and p.distributed_optimizer and p.pp > 1:
+        return ctx.finding("precision.keep_fp32_params", keep, f"keep_fp32_params with distributed_optimizer and pp={p.pp}")
+    return ctx.ok("precision.keep_fp32_params", keep)
+
+
+@rule("V4-FP8-SM", fields=("precision.fp8_recipe", "cluster.gpu"), scope="recipe",
+      fix="use fp8_recipe=blockwise/delayed on SM89/SM90, mxfp8 only on SM100+, or fp8_recipe=none")
+def check_fp8_sm(ctx: Context):
+    """An FP8 recipe needs FP8 tensor cores (SM89+); mxfp8 needs SM100+ (Blackwell).
+
+    Source: NVIDIA Transformer Engine FP8 / MXFP8 recipe documentation.
+    """
+    fp8, sm = ctx.recipe.precision.fp8_recipe, ctx.sm
+    if fp8 == "none":
+        return ctx.na("fp8_recipe=none")
+    need = 100 if fp8 == "mxfp8" else 89
+    if sm is None or sm < need:
+        where = "a CPU target" if sm is None else f"SM{sm}"
+        return ctx.finding("precision.fp8_recipe", fp8, f"fp8_recipe={fp8} needs SM{need}+, cluster.gpu={ctx.recipe.cluster.gpu} is {where}")
+    return ctx.ok("precision.fp8_recipe", fp8, f"SM{sm}")

@@ -1,0 +1,65 @@
+"""World-size rules: the parallel degrees multiply to the cluster, experts split over EP, batches split over DP."""
+
+from __future__ import annotations
+
+from .base import Context, rule
+
+
+@rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
+                               "curriculum.stages.*.cp"),
+      fix="make nodes·gpus_per_node a multiple of tp·pp·cp (DP = the quotient)")
+def check_world(ctx: Context):
+    """tp × pp × cp × dp equals nodes × GPUs per node (DP is the integer quotient).
+
+    Source: torchtitan ParallelDims (degrees multiply to the world size); Megatron parallel_state.initialize_model_parallel.
+    """
+    c, p = ctx.recipe.cluster, ctx.parallel
+    denom = p.tp * p.pp * ctx.cp
+    if ctx.dp is None:
+        return ctx.finding("cluster.gpus_per_node", c.gpus_per_node,
+                           f"world {c.nodes}·{c.gpus_per_node} = {c.world_size} is not divisible by "
+                           f"tp·pp·cp = {p.tp}·{p.pp}·{ctx.cp} = {denom} ({ctx.cp_field})")
+    return ctx.ok("cluster.gpus_per_node", c.gpus_per_node, f"world {c.world_size} = {denom}·dp{ctx.dp}")
+
+
+@rule("V4-EP-EXPERTS", fields=("model.moe.n_routed_experts", "parallel.ep"), scope="recipe",
+      fix="choose parallel.ep dividing model.moe.n_routed_experts")
+def check_ep_experts(ctx: Context):
+    """Routed experts are divisible by EP (each EP rank holds the same number of experts).
+
+    Source: Megatron moe_layer / MoEAlltoAllTokenDispatcher (num_local_experts = experts / ep).
+    """
+    n, ep = ctx.model.moe.n_routed_experts, ctx.parallel.ep
+    if n % ep:
+        return ctx.finding("parallel.ep", ep, f"{n} routed experts are not divisible by ep={ep}")
+    return ctx.ok("parallel.ep", ep, f"{n // ep} experts per rank")
+
+
+@rule("V4-EP-FOLD", fields=("parallel.ep", "parallel.cp", "curriculum.stages.*.cp", "cluster.nodes"),
+      fix="choose parallel.ep dividing dp·cp of every stage")
+def check_ep_fold(ctx: Context):
+    """EP divides dp × cp: expert parallelism folds over the data- and context-parallel ranks.
+
+    Source: Megatron parallel_state (expert groups fold over DP×CP when tp = 1); seed 004 (4N / PP4 / EP8).
+    """
+    if ctx.dp is None:
+        return ctx.na("DP undefined (V4-WORLD-SIZE)")
+    ep, fold = ctx.parallel.ep, ctx.dp * ctx.cp
+    if fold % ep:
+        return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}")
+    return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
+
+
+@rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size"),
+      fix="make the global batch a multiple of micro_batch_size·dp")
+def check_batch(ctx: Context):
+    """The global batch is divisible by micro batch × DP (a whole number of micro-batches per rank).
+
+    Source: Megatron training/arguments.py (global batch divisible by micro batch × DP).
+    """
+    if ctx.dp is None:
+        return ctx.na("DP undefined (V4-WORLD-SIZE)")
+    gbs, mbs = ctx.recipe.stage_global_batch(ctx.stage), ctx.parallel.micro_batch_size
+    if gbs % (mbs * ctx.dp):
+        return ctx.finding(ctx.global_batch_field, gbs, f"global batch {gbs} is not divisible by micro_batch·dp = {mbs}·{ctx.dp}")
+    return ctx.ok(ctx.global_batch_field, gbs, f"{gbs // (mbs * ctx.dp)} micro-batches per rank")
