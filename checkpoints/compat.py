@@ -1,0 +1,284 @@
+"""Resume compatibility: compare a checkpoint's manifest with the run about to load it.
+
+Every aspect gets an explicit verdict (never a silent patch, never a silent fresh
+start): ``safe``, ``reshard`` (DCP redistributes the tensors: DP/CP/world/PP/TP/EP
+changed), or ``refused`` with the ``--allow-*`` flag that would permit it. A
+refused item whose flag the user passed becomes ``safe`` with ``overridden``
+set. Architecture changes that alter parameter shapes have no flag: the weights
+would not load.
+
+Sources: seed 000 §11.3 (layer schedule, indexer existence, precision-specific
+optimizer state, global layer numbering), §12 item 7 (mixed-dtype groups);
+launcher survey pain points 9 and 14 (a DP change must never drop or repeat data
+silently; the data loader's state is global, so DP changes are a reshard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from v4launch.validators.schema import PHASE_ORDER, Recipe
+
+from .base import PARALLEL_KEYS, Manifest, csa_layer_ids, global_layer_ids, recipe_hash
+
+Verdict = Literal["safe", "reshard", "refused"]
+
+ALLOW_FLAGS: tuple[str, ...] = (
+    "--allow-layer-change",
+    "--allow-phase-regression",
+    "--allow-optimizer-regroup",
+    "--allow-tokenizer-change",
+    "--allow-cold-indexer",
+)
+"""Override flags ``check_resume`` understands (``allow`` takes them with or without dashes)."""
+
+SHAPE_FIELDS: tuple[str, ...] = (
+    "vocab_size", "dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+    "indexer.n_heads", "indexer.head_dim", "moe.n_routed_experts", "moe.n_shared_experts",
+    "moe.moe_inter_dim", "moe.n_hash_layers", "mhc.hc_mult",
+)
+"""``model:`` fields that set parameter shapes or existence: a change is refused with no override."""
+
+SCHEDULE_FIELDS: tuple[str, ...] = ("n_layers", "compress_ratios", "mtp.depth")
+"""``model:`` fields reported by the layer-schedule item rather than as settings."""
+
+
+@dataclass(frozen=True)
+class CompatItem:
+    """One aspect of a resume and its verdict.
+
+    ``override`` is the flag that permits a refusal (None: nothing can); ``overridden``
+    is True when that flag was passed and the verdict turned to ``safe``.
+    """
+
+    aspect: str
+    verdict: Verdict
+    reason: str
+    override: str | None = None
+    overridden: bool = False
+
+    @property
+    def label(self) -> str:
+        """``safe``, ``reshard``, ``refused`` or ``safe (overridden)``."""
+        return "safe (overridden)" if self.overridden else self.verdict
+
+
+@dataclass(frozen=True)
+class CompatReport:
+    """All verdicts of one resume decision; ``ok`` when nothing is refused."""
+
+    items: tuple[CompatItem, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+    @property
+    def refused(self) -> tuple[CompatItem, ...]:
+        return tuple(i for i in self.items if i.verdict == "refused")
+
+    @property
+    def needs_reshard(self) -> bool:
+        return any(i.verdict == "reshard" for i in self.items)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok", "needs_reshard", "items": [{aspect, verdict, reason, override, overridden}]}``."""
+        return {"ok": self.ok, "needs_reshard": self.needs_reshard, "items": [asdict(i) for i in self.items]}
+
+    def render(self, title: str = "resume compatibility") -> Any:
+        """A ``rich.table.Table`` of the items (verdicts coloured)."""
+        from rich.table import Table
+
+        colour = {"safe": "green", "reshard": "yellow", "refused": "bold red"}
+        table = Table(title=title, show_lines=False)
+        for col in ("aspect", "verdict", "reason", "override"):
+            table.add_column(col)
+        for i in self.items:
+            table.add_row(i.aspect, f"[{colour[i.verdict]}]{i.label}[/]", i.reason, i.override or "")
+        return table
+
+
+def _norm_flag(flag: str) -> str:
+    return "--" + flag.lstrip("-").replace("_", "-")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any], keys: set[str] | None = None) -> list[str]:
+    fo, fn = _flatten(old), _flatten(new)
+    names = sorted((set(fo) | set(fn)) if keys is None else keys)
+    return [f"{k}: {fo.get(k)} → {fn.get(k)}" for k in names if fo.get(k) != fn.get(k) and (k in fo or k in fn)]
+
+
+def _item(aspect: str, ok: bool, safe_reason: str, bad_reason: str, flag: str | None, allow: set[str]) -> CompatItem:
+    if ok:
+        return CompatItem(aspect, "safe", safe_reason)
+    if flag is not None and flag in allow:
+        return CompatItem(aspect, "safe", f"{bad_reason} (allowed by {flag})", flag, overridden=True)
+    return CompatItem(aspect, "refused", bad_reason, flag)
+
+
+def check_resume(
+    manifest: Manifest,
+    *,
+    recipe: Recipe,
+    target_stage_index: int,
+    target_phase: str,
+    parallel_sizes: Mapping[str, int],
+    tokenizer_fingerprint: str,
+    param_groups: Mapping[str, Mapping[str, Any]],
+    allow: set[str] | frozenset[str] = frozenset(),
+) -> CompatReport:
+    """Decide, aspect by aspect, whether ``manifest``'s checkpoint may be resumed as described.
+
+    Args:
+        manifest: the checkpoint's manifest (``Manifest.read(path)``).
+        recipe: the resolved recipe the resumed run will train.
+        target_stage_index: curriculum stage the resume continues in.
+        target_phase: attention phase it will train with (``dense`` | ``warmup`` | ``sparse``).
+        parallel_sizes: ``{"world", "dp", "cp", "pp", "tp", "ep"}`` of the resumed run.
+        tokenizer_fingerprint: ``ByteTokenizer.fingerprint()`` of the resumed run.
+        param_groups: ``base.summarize_param_groups`` of the model/optimizer as built for the resume
+            (with the indexer when ``target_phase`` is not dense).
+        allow: override flags, e.g. ``{"--allow-layer-change"}`` (dashes/underscores optional).
+
+    Returns:
+        CompatReport (items in a fixed order: recipe, architecture, model settings, layer schedule,
+        tokenizer, stage, phase, indexer, optimizer groups, then one item per parallel size).
+
+    Raises:
+        ValueError: unknown ``target_phase``, stage index out of range, or an unknown flag in ``allow``.
+    """
+    if target_phase not in PHASE_ORDER:
+        raise ValueError(f"target_phase={target_phase!r}: must be one of {list(PHASE_ORDER)}")
+    if not 0 <= target_stage_index < len(recipe.curriculum.stages):
+        raise ValueError(f"target_stage_index={target_stage_index}: recipe has {len(recipe.curriculum.stages)} stages")
+    flags = {_norm_flag(f) for f in allow}
+    unknown = sorted(flags - set(ALLOW_FLAGS))
+    if unknown:
+        raise ValueError(f"allow: unknown override flags {unknown}; known: {list(ALLOW_FLAGS)}")
+    m = recipe.model
+    items = [_recipe_item(manifest, recipe)]
+    model_now = m.model_dump(mode="json")
+    dims = _diff(manifest.model, model_now, set(SHAPE_FIELDS))
+    items.append(CompatItem("architecture", "refused", "parameter shapes change: " + "; ".join(dims)) if dims
+                 else CompatItem("architecture", "safe", "parameter shapes unchanged"))
+    others = [d for d in _diff(manifest.model, model_now) if d.split(":")[0] not in SHAPE_FIELDS + SCHEDULE_FIELDS]
+    items.append(CompatItem("model settings", "safe", ("changed (shapes unaffected): " + "; ".join(others)) if others else "unchanged"))
+    items.append(_schedule_item(manifest, recipe, flags))
+    items.append(_item("tokenizer", manifest.tokenizer == tokenizer_fingerprint, f"unchanged ({tokenizer_fingerprint})",
+                       f"{manifest.tokenizer} → {tokenizer_fingerprint}: token ids would mean other text", "--allow-tokenizer-change", flags))
+    items.extend(_phase_items(manifest, recipe, target_stage_index, target_phase, flags))
+    items.append(_optimizer_item(manifest.param_groups, param_groups, manifest.has_indexer, flags))
+    items.extend(_parallel_items(manifest.parallel, parallel_sizes))
+    return CompatReport(tuple(items))
+
+
+def _recipe_item(manifest: Manifest, recipe: Recipe) -> CompatItem:
+    now = recipe_hash(recipe)
+    if now == manifest.recipe_hash:
+        return CompatItem("recipe", "safe", f"unchanged ({recipe.name}, {now[:12]})")
+    return CompatItem("recipe", "safe", f"recipe differs ({manifest.recipe_name} {manifest.recipe_hash[:12]} → "
+                                        f"{recipe.name} {now[:12]}); the items below check what matters for loading")
+
+
+def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> CompatItem:
+    m = recipe.model
+    ratios = tuple(int(r) for r in m.compress_ratios)
+    ids = global_layer_ids(m.n_layers, m.mtp.depth)
+    changes = []
+    if tuple(manifest.compress_ratios) != ratios:
+        changes.append(f"compress_ratios {list(manifest.compress_ratios)} → {list(ratios)}")
+    if (manifest.n_layers, manifest.n_mtp_layers) != (m.n_layers, m.mtp.depth):
+        changes.append(f"layers {manifest.n_layers}+{manifest.n_mtp_layers} MTP → {m.n_layers}+{m.mtp.depth} MTP")
+    if tuple(manifest.layer_ids) != ids:
+        changes.append(f"global layer numbering {list(manifest.layer_ids)} → {list(ids)}")
+    return _item("layer schedule", not changes, f"unchanged ({len(ratios)} layers: {list(ratios)})",
+                 "; ".join(changes) + ": weights would load into layers of another type", "--allow-layer-change", flags)
+
+
+def _phase_items(manifest: Manifest, recipe: Recipe, stage_index: int, phase: str, flags: set[str]) -> list[CompatItem]:
+    target = recipe.curriculum.stages[stage_index]
+    out = [_item("stage", stage_index >= manifest.stage_index,
+                 f"{manifest.stage_name} (#{manifest.stage_index}) → {target.name} (#{stage_index})",
+                 f"stage #{stage_index} ({target.name}) comes before the checkpoint's stage #{manifest.stage_index} "
+                 f"({manifest.stage_name})", "--allow-phase-regression", flags)]
+    src, dst = PHASE_ORDER[manifest.phase], PHASE_ORDER[phase]
+    why = {(0, 1): "indexer gets built and initialised", (1, 2): "indexer trained in warm-up",
+           (0, 2): "forward move (see indexer)"}.get((src, dst), "unchanged" if src == dst else "")
+    out.append(_item("phase", dst >= src, f"{manifest.phase} → {phase}: {why}",
+                     f"{manifest.phase} → {phase} moves backwards (phases only move dense → warmup → sparse)",
+                     "--allow-phase-regression", flags))
+    if manifest.has_indexer or phase == "dense":
+        reason = (f"indexer in checkpoint (layers {list(manifest.indexer_layers)})" if manifest.has_indexer
+                  else "dense phase: no indexer needed")
+        out.append(CompatItem("indexer", "safe", reason))
+    else:
+        csa = list(csa_layer_ids(recipe.model.compress_ratios))
+        out.append(_item("indexer", phase == "warmup", f"no indexer in checkpoint; built fresh for layers {csa} and trained by the warm-up KL",
+                         f"no indexer in checkpoint and target phase is {phase}: top-k would come from an untrained "
+                         f"indexer (run a warmup stage first)", "--allow-cold-indexer", flags))
+    return out
+
+
+def _optimizer_item(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]],
+                    had_indexer: bool, flags: set[str]) -> CompatItem:
+    problems, added_indexer = [], 0
+    for g in sorted(set(old) | set(new)):
+        o, n = old.get(g), new.get(g)
+        if o is None or n is None:
+            if n is not None and not had_indexer and _only_indexer(n):
+                added_indexer += int(n.get("n_params", 0))
+                continue
+            problems.append(f"group '{g}' {'added' if o is None else 'removed'}")
+            continue
+        if "params" in o and "params" in n:
+            po, pn = o["params"], n["params"]
+            new_names = set(pn) - set(po)
+            if not had_indexer and all(".indexer." in f".{k}" for k in new_names):
+                added_indexer += len(new_names)
+            elif new_names:
+                problems.append(f"group '{g}': {len(new_names)} parameters added (e.g. {sorted(new_names)[0]})")
+            gone = sorted(set(po) - set(pn))
+            if gone:
+                problems.append(f"group '{g}': {len(gone)} parameters removed (e.g. {gone[0]})")
+            moved = sorted(k for k in set(po) & set(pn) if po[k] != pn[k])
+            if moved:
+                problems.append(f"group '{g}': dtype of {moved[0]} {po[moved[0]]} → {pn[moved[0]]} ({len(moved)} changed)")
+        elif dict(o.get("dtypes", {})) != dict(n.get("dtypes", {})) or o.get("names_sha256") != n.get("names_sha256"):
+            problems.append(f"group '{g}': dtypes {dict(o.get('dtypes', {}))} → {dict(n.get('dtypes', {}))}"
+                            + ("" if o.get("names_sha256") == n.get("names_sha256") else ", parameter set changed"))
+    extra = f"; {added_indexer} new indexer parameters start with fresh state" if added_indexer else ""
+    return _item("optimizer groups", not problems, f"same groups and dtypes ({', '.join(sorted(new))}){extra}",
+                 "; ".join(problems) + ": optimizer state would load into the wrong tensors or precision",
+                 "--allow-optimizer-regroup", flags)
+
+
+def _only_indexer(group: Mapping[str, Any]) -> bool:
+    params = group.get("params")
+    return bool(params) and all(".indexer." in f".{k}" for k in params)
+
+
+def _parallel_items(old: Mapping[str, int], new: Mapping[str, int]) -> list[CompatItem]:
+    missing = [k for k in PARALLEL_KEYS if k not in new]
+    if missing:
+        raise ValueError(f"parallel_sizes lacks {missing}; expected keys {list(PARALLEL_KEYS)}")
+    out = []
+    for k in PARALLEL_KEYS:
+        a, b = old.get(k), new[k]
+        if a == b:
+            out.append(CompatItem(f"parallel.{k}", "safe", f"unchanged ({b})"))
+        else:
+            out.append(CompatItem(f"parallel.{k}", "reshard", f"{a} → {b}: DCP redistributes the saved shards; "
+                                  "the data loader continues from its global position"))
+    return out
