@@ -1,0 +1,81 @@
+"""The job's view of the data: the prepared dataset of a run and per-stage loaders.
+
+The run's dataset prefix is recorded in run.json["extra"]["data_prefix"] by ``v4launch run``;
+a run without one (e.g. created by other tooling) is prepared here by rank 0 into the
+workspace cache that holds the run directory. Each stage gets its own loader (its
+``seq_len``), seeded by ``data.seed + stage index`` and sharded over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..workspace import Workspace
+from .dist import DistInfo
+
+
+def prepare_for_run(recipe: Any, meta: dict[str, Any], run_dir: Path, info: DistInfo) -> Any:
+    """The run's PreparedDataset (rank 0 prepares if needed; every rank then reads it).
+
+    Raises:
+        DataError (a V4LaunchError): unreadable inputs or an empty source.
+    """
+    from ..data.prepare import PreparedDataset, prepare_dataset
+    from ..data.tokenizer import get_tokenizer
+
+    prefix = (meta.get("extra") or {}).get("data_prefix")
+    if prefix and Path(f"{prefix}.json").is_file():
+        return PreparedDataset.read(Path(prefix))
+    tokenizer = get_tokenizer(recipe.data.tokenizer)
+    ws = Workspace.current(start=run_dir)
+    ds = None
+    if info.is_main:
+        ds = prepare_dataset(recipe.data, tokenizer, workspace=ws)
+    if info.active:
+        dist.barrier()
+    return ds if ds is not None else prepare_dataset(recipe.data, tokenizer, workspace=ws)
+
+
+def stage_loader(dataset: Any, recipe: Any, plan: Any, info: DistInfo, *, valid: bool = False) -> Any:
+    """A ``PackedBatchLoader`` for ``plan`` (its seq_len and micro-batch size), sharded over DP ranks.
+
+    All stages read one data stream (seed ``data.seed``): the job hands the previous stage's loader
+    state to the next stage's loader, which continues with the first token not yet consumed.
+    """
+    from ..data.packing import PackedBatchLoader
+
+    prefix = dataset.valid_prefix if valid else dataset.train_prefix
+    return PackedBatchLoader(prefix, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=info.rank,
+                             dp_size=info.world, micro_batch_size=plan.micro_batch, shuffle=not valid)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors on ``device`` (the batch itself on CPU)."""
+    if device.type == "cpu":
+        return batch
+    return dataclasses.replace(batch, tokens=batch.tokens.to(device), labels=batch.labels.to(device),
+                               cu_seqlens=batch.cu_seqlens.to(device))
+
+
+def micro_batches(it: Iterator[Any], plan: Any, device: torch.device) -> list[Any]:
+    """The ``accum`` micro-batches of one step on this rank."""
+    return [to_device(next(it), device) for _ in range(plan.accum)]
+
+
+def eval_batches(dataset: Any, recipe: Any, plan: Any, info: DistInfo, device: torch.device,
+                 max_batches: int = 8) -> list[Any]:
+    """Up to ``max_batches`` held-out micro-batches of one pass (dataset order; same count on every rank)."""
+    if dataset.valid_prefix is None:
+        return []
+    loader = stage_loader(dataset, recipe, plan, info, valid=True)
+    out = []
+    for batch in loader.evaluation_batches():
+        if len(out) >= max_batches:
+            break
+        out.append(to_device(batch, device))
+    return out

@@ -1,0 +1,137 @@
+"""Where a step's numbers go: metrics.jsonl, TensorBoard, the console and the rank log.
+
+metrics.jsonl (rank 0) holds one JSON object per line:
+
+* ``{"kind": "train", "stage", "stage_index", "phase", "step", "tokens", "lr", "muon_lr",
+  "lm_loss", "aux": {name: raw}, "aux_sum": {kind: raw sum}, "aux_weighted": {kind: coeff · sum},
+  "loss_weights": {kind: coeff}, "total_loss", "grad_norm", "tokens_per_s", "elapsed_s"}``
+* ``{"kind": "eval", "stage", "stage_index", "phase", "step", "lm_loss"}`` at every stage end
+* ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
+
+TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …).
+The console shows a rich progress bar on a TTY, else (or with ``progress=False``) one plain line
+per logged step; every rank appends plain lines to ``logs/rank<R>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(v: float | None, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def summary_line(rec: dict[str, Any], total_steps: int, eta_s: float | None) -> str:
+    """One human line of a train record (stage, phase, step/total, losses, tokens/s, ETA)."""
+    s = rec.get("aux_sum", {})
+    return (f"step {rec['step']}/{total_steps} {rec['stage']} ({rec['phase']}) lm {_fmt(rec['lm_loss'])} "
+            f"kl {_fmt(s.get('indexer_kl'))} bal {_fmt(s.get('balance'))} mtp {_fmt(s.get('mtp'))} "
+            f"lr {rec['lr']:.2e} gn {rec['grad_norm']:.3f} tok/s {rec['tokens_per_s']:.0f}"
+            + (f" eta {_eta(eta_s)}" if eta_s is not None else ""))
+
+
+class MetricsLogger:
+    """Writes records to every sink. Only rank 0 writes metrics.jsonl, TensorBoard and the console."""
+
+    def __init__(self, run_dir: Path, *, rank: int, total_steps: int, tensorboard: bool, progress: bool) -> None:
+        self.rank, self.total_steps, self.main = rank, total_steps, rank == 0
+        run_dir = Path(run_dir)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        self._log = (run_dir / "logs" / f"rank{rank}.log").open("a", buffering=1)
+        self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1) if self.main else None
+        self._tb = None
+        if self.main and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self._progress = self._task = None
+        if self.main and progress and sys.stdout.isatty():
+            self._start_progress()
+        self._t0 = time.monotonic()
+        self._steps_timed = 0
+
+    def _start_progress(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(TextColumn("[bold]{task.fields[stage]}[/] [cyan]{task.fields[phase]}[/]"),
+                                  BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                                  TimeRemainingColumn(), refresh_per_second=4)
+        self._task = self._progress.add_task("train", total=self.total_steps, stage="", phase="", stats="")
+        self._progress.start()
+
+    def _line(self, text: str, console: bool = True) -> None:
+        stamp = datetime.now().strftime("%H:%M:%S")
+        self._log.write(f"{stamp} [rank{self.rank}] {text}\n")
+        if self.main and console:
+            if self._progress is not None:
+                self._progress.console.print(text, highlight=False)
+            else:
+                print(f"{stamp} {text}", flush=True)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(rec, sort_keys=True) + "\n")
+
+    def step(self, rec: dict[str, Any], *, first_step_this_job: int, show: bool) -> None:
+        """Record one training step (``rec`` as documented above); ``show``: also print / write it."""
+        done = rec["step"] - first_step_this_job
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / done * (self.total_steps - rec["step"]) if done > 0 else None
+        if self._progress is not None:
+            s = rec.get("aux_sum", {})
+            stats = (f"lm {rec['lm_loss']:.3f} kl {_fmt(s.get('indexer_kl'), '.3f')} bal {_fmt(s.get('balance'), '.3f')}"
+                     f" mtp {_fmt(s.get('mtp'), '.3f')} {rec['tokens_per_s']:.0f} tok/s")
+            self._progress.update(self._task, completed=rec["step"], stage=rec["stage"], phase=rec["phase"], stats=stats)
+        if not show:
+            return
+        self._write(rec)
+        self._line(summary_line(rec, self.total_steps, eta), console=self._progress is None)
+        if self._tb is not None:
+            self._scalars(rec)
+
+    def _scalars(self, rec: dict[str, Any]) -> None:
+        step, tb = rec["step"], self._tb
+        tb.add_scalar("loss/lm", rec["lm_loss"], step)
+        tb.add_scalar("loss/total", rec["total_loss"], step)
+        for name, v in rec["aux"].items():
+            tb.add_scalar(f"aux/{name}", v, step)
+        for kind, v in rec["aux_sum"].items():
+            tb.add_scalar(f"aux_sum/{kind}", v, step)
+            tb.add_scalar(f"aux_weighted/{kind}", rec["aux_weighted"][kind], step)
+        tb.add_scalar("lr/adamw", rec["lr"], step)
+        tb.add_scalar("lr/muon", rec["muon_lr"], step)
+        tb.add_scalar("grad_norm", rec["grad_norm"], step)
+        tb.add_scalar("throughput/tokens_per_s", rec["tokens_per_s"], step)
+
+    def eval(self, rec: dict[str, Any]) -> None:
+        """Record a held-out evaluation."""
+        self._write(rec)
+        self._line(f"eval after stage {rec['stage']} step {rec['step']}: held-out lm loss {rec['lm_loss']:.4f}")
+        if self._tb is not None:
+            self._tb.add_scalar("eval/lm_loss", rec["lm_loss"], rec["step"])
+
+    def event(self, step: int, event: str, text: str, **fields: Any) -> None:
+        """A run event (phase change, checkpoint, stop): a log line plus an ``event`` record."""
+        self._write({"kind": "event", "step": step, "event": event, **fields})
+        self._line(text)
+
+    def close(self) -> None:
+        """Stop the display and flush every sink."""
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._log.close()

@@ -1,0 +1,139 @@
+"""The curriculum as the job executes it: per-stage step budgets, batch geometry and the LR schedule.
+
+Global step ``s`` counts optimizer steps since the start of the run (all stages); stage ``i``
+owns steps ``[first_step_i, first_step_i + steps_i)``. The LR schedule runs over the whole
+curriculum: linear warm-up over ``optimizer.warmup_steps``, then cosine / constant / wsd decay
+towards ``optimizer.min_lr``; each stage scales it by its own peak (``stage.lr`` or
+``optimizer.lr``). Muon groups use the same shape with peak ``muon_lr · stage_peak / lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ContractViolation
+from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage, resolved for a world of ``dp`` data-parallel ranks.
+
+    Attributes:
+        index, name, phase, seq_len: from the stage (seq_len in tokens per packed sequence).
+        steps: optimizer steps of the stage (``steps``, or ``ceil(tokens / (global_batch·seq_len))``).
+        first_step: global step at which the stage starts.
+        global_batch: packed sequences per optimizer step (all ranks).
+        micro_batch: packed sequences per forward on one rank.
+        accum: micro-batches per step on each rank = global_batch / (micro_batch · dp).
+        peak_lr: this stage's peak AdamW learning rate.
+    """
+
+    index: int
+    name: str
+    phase: str
+    seq_len: int
+    steps: int
+    first_step: int
+    global_batch: int
+    micro_batch: int
+    accum: int
+    peak_lr: float
+
+    @property
+    def end_step(self) -> int:
+        """Global step after the stage's last step."""
+        return self.first_step + self.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens per optimizer step (all ranks)."""
+        return self.global_batch * self.seq_len
+
+
+def plan_curriculum(recipe: Any, dp: int) -> list[StagePlan]:
+    """Resolve every stage of ``recipe`` for ``dp`` data-parallel ranks (tp = pp = 1).
+
+    Raises:
+        ContractViolation: a stage with cp > 1 (context parallelism is not available yet), a
+            tp/pp > 1 recipe, a global batch not divisible by micro_batch · dp, or a stage whose
+            indexer_loss override the bundled model cannot follow.
+    """
+    if recipe.parallel.tp != 1 or recipe.parallel.pp != 1:
+        raise ContractViolation(
+            f"parallel.tp={recipe.parallel.tp}, parallel.pp={recipe.parallel.pp}: the training job runs tp = pp = 1 only",
+            hint="set parallel.tp=1 parallel.pp=1 (V4 hybrid attention has no TP; PP is not available yet)")
+    plans, step = [], 0
+    for i, st in enumerate(recipe.curriculum.stages):
+        cp = recipe.stage_cp(st)
+        if cp > 1:
+            raise ContractViolation(
+                f"curriculum.stages[{i}] '{st.name}': cp={cp} — context parallelism is not available yet in "
+                "the bundled model's training job", hint=f"run stage '{st.name}' with cp=1 (curriculum.stages.{i}.cp=1) "
+                "or stop the run before it (`--stop-after-stage`)")
+        if st.phase != "dense" and st.indexer_loss not in (None, DEFAULT_INDEXER_LOSS[st.phase]):
+            raise ContractViolation(
+                f"curriculum.stages[{i}] '{st.name}': indexer_loss={st.indexer_loss!r} in phase {st.phase!r} — "
+                "the bundled model ties the KL target to the phase (warmup: dense, sparse: sparse)",
+                hint=f"remove curriculum.stages.{i}.indexer_loss")
+        micro = recipe.parallel.micro_batch_size
+        gbs = recipe.stage_global_batch(st)
+        if gbs % (micro * dp):
+            raise ContractViolation(
+                f"curriculum.stages[{i}] '{st.name}': global batch {gbs} is not divisible by micro_batch_size "
+                f"{micro} x data-parallel size {dp}", hint="choose a global_batch_size that is a multiple of "
+                f"{micro * dp}")
+        n = st.steps if st.steps is not None else math.ceil(st.tokens / (gbs * st.seq_len))
+        plans.append(StagePlan(index=i, name=st.name, phase=st.phase, seq_len=st.seq_len, steps=n, first_step=step,
+                               global_batch=gbs, micro_batch=micro, accum=gbs // (micro * dp),
+                               peak_lr=st.lr if st.lr is not None else recipe.optimizer.lr))
+        step += n
+    return plans
+
+
+class LRSchedule:
+    """Learning rates of step ``s`` (0-based global step) over the whole curriculum."""
+
+    def __init__(self, optimizer_cfg: Any, plans: list[StagePlan]) -> None:
+        self.cfg = optimizer_cfg
+        self.plans = plans
+        self.total = plans[-1].end_step
+        self.warmup = min(optimizer_cfg.warmup_steps, self.total)
+        if optimizer_cfg.schedule == "wsd":
+            self.decay_start = max(self.warmup, round(self.total * (1 - optimizer_cfg.decay_fraction)))
+        elif optimizer_cfg.schedule == "cosine":
+            self.decay_start = self.warmup
+        else:
+            self.decay_start = None  # constant: never decays
+
+    def stage_of(self, step: int) -> StagePlan:
+        """The stage that owns global step ``step`` (the last stage past the end)."""
+        for plan in self.plans:
+            if step < plan.end_step:
+                return plan
+        return self.plans[-1]
+
+    def decay_started(self, step: int) -> bool:
+        """True once the LR has started decaying (the MTP weight drops to loss_weight_after_decay)."""
+        return self.decay_start is not None and step >= self.decay_start and self.decay_start < self.total
+
+    def _shape(self, step: int) -> float:
+        """Decay factor in [0, 1]: 1 before decay, 0 at the end of the run."""
+        if self.decay_start is None or step < self.decay_start:
+            return 1.0
+        span = max(1, self.total - self.decay_start)
+        progress = min(1.0, (step - self.decay_start + 1) / span)
+        if self.cfg.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress  # wsd: linear cool-down
+
+    def lr(self, step: int) -> tuple[float, float]:
+        """(AdamW lr, Muon lr) for global step ``step``."""
+        peak = self.stage_of(step).peak_lr
+        min_lr = min(self.cfg.min_lr, peak)
+        lr = min_lr + (peak - min_lr) * self._shape(step)
+        if step < self.warmup:
+            lr = peak * (step + 1) / self.warmup
+        return lr, lr * self.cfg.muon_lr / self.cfg.lr

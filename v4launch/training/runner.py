@@ -1,0 +1,252 @@
+"""The job's state machine: model + optimizers + data + checkpoints, driven stage by stage by job.py."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids, describe_params
+from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoints.stateful import ModelState, OptimizerState
+from ..errors import RefusedError
+from ..model import V4Model
+from .data_io import eval_batches, micro_batches, stage_loader
+from .dist import DistInfo, any_rank
+from .model_adapter import model_args_from_recipe
+from .optim import Optimizers
+from .plan import LRSchedule, StagePlan, plan_curriculum
+from .result import TrainResult
+from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
+                    set_rng_state, stage_seed)
+from .step import autocast_for, evaluate, loss_weights, train_step
+
+
+class Runner:
+    """Everything one rank holds while training a run. Built ready to continue where the run is."""
+
+    def __init__(self, run: Any, info: DistInfo, dataset: Any, request: dict | None) -> None:
+        self.run, self.recipe, self.info, self.dataset = run, run.recipe, info, dataset
+        set_determinism(self.recipe.run.deterministic, self.recipe.run.threads)
+        self.plans: list[StagePlan] = plan_curriculum(self.recipe, info.world)
+        self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
+        self.args = model_args_from_recipe(self.recipe)
+        self.autocast = autocast_for(self.recipe.precision.dtype, info.device)
+        self.ckpt_root = run.paths.checkpoints
+        self.metrics: Any = None
+        self.loader = self.batches = None
+        self._saved_loader: dict | None = None
+        self.loader_stage = -1
+        self.last_saved: tuple[int, Path] | None = None
+        self.resumed_from: Path | None = None
+        self.progress = Progress(phase=self.plans[0].phase)
+        ckpt = self._checkpoint_to_load(request)
+        if ckpt is None:
+            seed_everything(self.recipe.run.seed)
+            self._build(self.plans[0].phase)
+        else:
+            self._load(ckpt)
+            self._apply_request(request)
+        self.first_step = self.progress.step
+
+    @property
+    def total_steps(self) -> int:
+        return self.plans[-1].end_step
+
+    # ------------------------------------------------------------ build / load
+    def _build(self, phase: str) -> None:
+        chunk = self.recipe.attention.kl_chunk_size
+        self.model = V4Model(self.args, phase=phase, chunk_size=chunk).to(self.info.device)
+        self.opt = Optimizers(self.model, self.recipe.optimizer)
+        self.progress.phase = phase
+
+    def _checkpoint_to_load(self, request: dict | None) -> Path | None:
+        if request and request.get("checkpoint"):
+            path = Path(request["checkpoint"])
+            if not path.is_dir():
+                raise RefusedError(f"resume.json names checkpoint {path}, which does not exist",
+                                   hint=f"run `v4launch resume {self.run.paths.root}` again")
+            return path
+        return latest_checkpoint(self.ckpt_root)
+
+    def _states(self) -> dict[str, Any]:
+        loader_state = pickle.dumps(self.loader.state_dict()) if self.loader is not None else b""
+        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.opt.optimizers),
+                "dataloader": {"state": loader_state, "stage_index": self.loader_stage},
+                "lr_scheduler": {"schedule_step": self.schedule_step},
+                "curriculum": progress_state(self.progress), "train_state": {"rng": rng_state()}}
+
+    @property
+    def schedule_step(self) -> int:
+        """Position in the LR schedule: the stage's first step + steps done in it."""
+        plans = self.plans
+        idx = min(self.progress.stage_index, len(plans) - 1)
+        return plans[idx].first_step + self.progress.step_in_stage
+
+    def _load(self, path: Path) -> None:
+        """Build the model in the checkpoint's phase, then load every state key into it."""
+        try:
+            manifest = Manifest.read(path)
+        except CheckpointError as exc:
+            raise RefusedError(exc.message, exc.hint) from None
+        self._build(manifest.phase if manifest.indexer_layers or manifest.phase == "dense" else "dense")
+        states = self._states()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                load_checkpoint(path, states)
+        except CheckpointError as exc:
+            raise RefusedError(exc.message, exc.hint) from None
+        except RuntimeError as exc:
+            raise RefusedError(f"checkpoint {path} does not load into the model of this recipe: {exc}",
+                               hint="check the resume report (`v4launch resume --dry-run`)") from None
+        self.progress = progress_from(states["curriculum"])
+        set_rng_state(states["train_state"]["rng"])
+        blob = states["dataloader"]["state"]
+        self._saved_loader = pickle.loads(blob) if blob else None
+        self.resumed_from = path
+        self.last_saved = (self.progress.step, path)
+
+    def _apply_request(self, request: dict | None) -> None:
+        """Honour ``resume.json``'s target stage: start it from its beginning."""
+        target = (request or {}).get("stage_index")
+        if target is None or target == self.progress.stage_index:
+            return
+        self.progress.stage_index, self.progress.step_in_stage = int(target), 0
+
+    # ------------------------------------------------------------ stages
+    def announce_start(self) -> None:
+        p = self.progress
+        where = f"resumed from {self.resumed_from.name}" if self.resumed_from else "fresh start"
+        self.metrics.event(p.step, "start", f"run {self.run.paths.root.name}: {where} at step {p.step}, stage "
+                           f"{self.plans[min(p.stage_index, len(self.plans) - 1)].name}, phase {p.phase}, "
+                           f"world {self.info.world}", resumed_from=str(self.resumed_from or ""))
+
+    def enter_stage(self, plan: StagePlan) -> None:
+        """Phase change (if the stage needs one), stage seed at its start, and its data loader."""
+        if self.model.phase != plan.phase:
+            self._change_phase(plan.phase)
+        if self.progress.step_in_stage == 0:
+            seed_everything(stage_seed(self.recipe.run.seed, plan.index))
+        previous = self.loader.state_dict() if self.loader is not None else self._saved_loader
+        self.loader = stage_loader(self.dataset, self.recipe, plan, self.info)
+        if previous is not None:
+            self.loader.load_state_dict(previous)
+        self._saved_loader = None
+        self.loader_stage = plan.index
+        self.batches = iter(self.loader)
+
+    def _change_phase(self, phase: str) -> None:
+        old = self.model.phase
+        order = ("dense", "warmup", "sparse")
+        if order.index(phase) < order.index(old):
+            self._regress_phase(phase)
+        else:
+            before = {n for n, _ in self.model.named_parameters()}
+            self.model.set_phase(phase)
+            new = [(n, q) for n, q in self.model.named_parameters() if n not in before]
+            if new:
+                self.opt.add_params(self.model, new, "indexer")
+        step = self.progress.step
+        self.progress.phase = phase
+        self.progress.transitions.append(f"{old}->{phase}@{step}")
+        built = " (indexers built and initialised, added to the optimizer)" if old == "dense" else ""
+        self.metrics.event(step, "phase", f"phase {old} -> {phase} at step {step}{built}", old=old, new=phase)
+
+    def _regress_phase(self, phase: str) -> None:
+        """Allowed phase regression (``--allow-phase-regression``): new model without indexers, fresh optimizer."""
+        state = {k: v for k, v in self.model.state_dict().items() if ".indexer." not in k}
+        self._build(phase)
+        self.model.load_state_dict(state)
+        self.metrics.event(self.progress.step, "phase_regression", f"phase regressed to {phase}: indexers dropped, "
+                           "optimizer state reset")
+
+    def run_stage(self, plan: StagePlan, stop: threading.Event, max_steps: int | None) -> str | None:
+        """Train the stage's remaining steps; 'stopped' / 'max_steps' when interrupted, else None."""
+        p = self.progress
+        while p.step_in_stage < plan.steps:
+            if max_steps is not None and p.step >= max_steps:
+                return "max_steps"
+            self._one_step(plan)
+            if p.step_in_stage >= plan.steps:
+                return None
+            if p.step % self.recipe.checkpointing.interval_steps == 0:
+                self.save(plan)
+            if self.stop_requested(stop):
+                return "stopped"
+        return None
+
+    def _one_step(self, plan: StagePlan) -> None:
+        sched = self.schedule_step
+        lr, muon_lr = self.schedule.lr(sched)
+        self.opt.set_lr(lr, muon_lr)
+        weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
+        t0 = time.monotonic()
+        batches = micro_batches(self.batches, plan, self.info.device)
+        stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
+                           grad_clip=self.recipe.optimizer.grad_clip,
+                           bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast)
+        dt = time.monotonic() - t0
+        p = self.progress
+        p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \
+            p.elapsed_s + dt
+        rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
+               "step": p.step, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
+               "aux": stats.aux, "aux_sum": stats.kinds, "aux_weighted": stats.weighted,
+               "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp},
+               "total_loss": stats.total, "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(dt, 1e-9),
+               "step_time_s": dt, "elapsed_s": p.elapsed_s}
+        interval = self.recipe.logging.interval_steps
+        show = p.step % interval == 0 or p.step_in_stage == plan.steps or p.step == self.first_step + 1
+        self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+
+    def finish_stage(self, plan: StagePlan) -> None:
+        """Held-out evaluation and the stage-end checkpoint."""
+        batches = eval_batches(self.dataset, self.recipe, plan, self.info, self.info.device)
+        result = evaluate(self.model, batches, self.info, self.autocast)
+        if result:
+            self.metrics.eval({"kind": "eval", "stage": plan.name, "stage_index": plan.index,
+                               "phase": self.model.phase, "step": self.progress.step, **result})
+        self.save(plan)
+
+    def stop_requested(self, stop: threading.Event) -> bool:
+        """True on every rank if a stop was requested on any rank."""
+        return any_rank(stop.is_set(), self.info)
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, plan: StagePlan) -> Path:
+        """Checkpoint at the current step (every rank; collective). Keeps checkpointing.keep_last."""
+        p = self.progress
+        if self.last_saved is not None and self.last_saved[0] == p.step:
+            return self.last_saved[1]
+        groups = {g["name"]: describe_params([(self._names[id(q)], q) for q in g["params"]])
+                  for g in self.opt.param_groups}
+        manifest = Manifest.for_recipe(
+            self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
+            parallel_sizes={"world": self.info.world, "dp": self.info.world, "cp": 1, "pp": 1, "tp": 1, "ep": 1},
+            tokenizer_fingerprint=self.dataset.tokenizer, param_groups=groups,
+            indexer_layers=csa_layer_ids(self.args.compress_ratios) if self.model.has_indexer else (),
+            extra={"step_in_stage": p.step_in_stage, "model_phase": self.model.phase, "run": self.run.paths.root.name,
+                   "transitions": list(p.transitions), "param_groups": self.opt.summary(self.model)})
+        with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            path = save_checkpoint(self.ckpt_root, p.step, self._states(), manifest,
+                                   keep_last=self.recipe.checkpointing.keep_last)
+        self.last_saved = (p.step, path)
+        self.metrics.event(p.step, "checkpoint", f"checkpoint {path.name} saved", path=str(path))
+        return path
+
+    @property
+    def _names(self) -> dict[int, str]:
+        return {id(q): n for n, q in self.model.named_parameters()}
+
+    def halt(self, status: str, plan: StagePlan) -> TrainResult:
+        """Save (unless this step is already saved) and build the result."""
+        path = self.save(plan) if self.progress.step > 0 or self.last_saved else None
+        p = self.progress
+        self.metrics.event(p.step, "end", f"{status} at step {p.step} (stage {plan.name}, phase {self.model.phase})",
+                           status=status)
+        return TrainResult(status=status, stage_index=plan.index, step=p.step, checkpoint=path)
