@@ -1,9 +1,99 @@
-"""`v4launch status` (being written)."""
+"""`v4launch status`: where a run stands; for Slurm runs one table across all the run's jobs."""
 
-HELP = "status (not yet available)"
-EXAMPLES = ""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from .common import OUT, JsonOpt
+
+HELP = ("Show where RUN stands: state, stage, phase, step, last loss, last checkpoint and restarts; for a "
+        "Slurm run one row per job (every stage and requeue). Exit 0, or 1 when the run failed.")
+EXAMPLES = """Examples:
+
+  v4launch status                     # the workspace's newest run
+
+  v4launch status runs/tiny_cpu-20261129-140312
+
+  v4launch status --json | jq .state
+"""
+
+RunArg = Annotated[str | None, typer.Argument(help="Run directory (or its name under the workspace's runs/); "
+                                                   "default: the workspace's newest run.", show_default=False)]
+
+_STYLE = {"running": "green", "pending": "cyan", "requeued": "yellow", "completed": "bold green",
+          "stage completed": "green", "failed": "bold red", "node failure": "red", "timeout": "red",
+          "cancelled": "magenta", "stopped": "magenta", "preempted": "yellow"}
+FAILED = ("failed", "died", "node failure", "timeout")
 
 
-def status() -> None:
-    """Not yet available."""
-    raise NotImplementedError("v4launch status is not implemented yet")
+def resolve_run(run: str | None) -> Path:
+    """The run directory named by ``run`` (a path, or a name under the workspace's runs/), or the
+    workspace's newest run (said on stderr).
+
+    Raises:
+        UsageError: no such run directory / no run in the workspace.
+    """
+    from ..rundir import read_run_json
+    from ..workspace import Workspace
+
+    ws = Workspace.current()
+    if run is None:
+        path = ws.newest_run()
+        OUT.note(f"run: {path} (the workspace's newest)")
+    else:
+        path = Path(run)
+        if not path.is_dir() and (ws.runs_root() / run).is_dir():
+            path = ws.runs_root() / run
+    read_run_json(path)  # raises a UsageError with a hint when it is not a run directory
+    return path.resolve()
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _table(run_dir: Path, st: Any) -> Table:
+    table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")
+    for col in ("job", "state", "stage", "phase", "step", "loss", "checkpoint", "restarts", "last event"):
+        table.add_column(col, overflow="fold")
+    rows = st.detail.get("jobs")
+    if rows is None:  # a local run: one row from the launcher's view
+        ckpt = st.checkpoint.name if st.checkpoint else None
+        rows = [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "local", "state": st.state,
+                 "stage": st.stage, "phase": None, "step": st.step, "loss": None, "checkpoint": ckpt,
+                 "restarts": 0, "detail": ""}]
+    for r in rows:
+        style = _STYLE.get(r["state"], "")
+        table.add_row(_cell(r["job_id"]), f"[{style}]{r['state']}[/{style}]" if style else r["state"],
+                      _cell(r["stage"]), _cell(r["phase"]), _cell(r["step"]), _cell(r["loss"]),
+                      _cell(r["checkpoint"]), _cell(r["restarts"]), _cell(r["detail"])[:80])
+    return table
+
+
+def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
+    """Print the run's state (rich table, or JSON with --json)."""
+    from ..launchers import launcher_for
+
+    run_dir = resolve_run(run)
+    st = launcher_for(run_dir).status(run_dir)
+    if json_out:
+        OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
+                  "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None, **st.detail})
+    else:
+        OUT.console.print(_table(run_dir, st))
+        restarts = st.detail.get("restarts")
+        budget = f"; restarts {restarts} of {st.detail.get('max_restarts')}" if restarts is not None else ""
+        OUT.console.print(f"run state: [bold]{st.state}[/bold] (stage {_cell(st.stage)}, step {_cell(st.step)}{budget})")
+        if st.detail.get("log_tail"):
+            OUT.console.print(f"last lines of {st.detail.get('log')}:", style="red")
+            OUT.console.print("\n".join(st.detail["log_tail"]), markup=False, highlight=False)
+    if st.state in FAILED:
+        raise typer.Exit(1)

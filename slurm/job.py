@@ -1,0 +1,176 @@
+"""What runs on every rank of a Slurm job: ``SlurmTrainJob(run_dir)()``.
+
+A submitit ``Checkpointable`` that knows only the run directory. ``train()`` finds the latest
+complete checkpoint by itself, so a requeued job can never resume from a stale path baked
+into the pickle (fairchem #1055). The protocol on every rank (not only rank 0: submitit #9):
+
+1. set the rendezvous environment (first node = MASTER_ADDR) and install handlers for the
+   checkpoint signal (USR2, sent ``slurm.signal_delay_s`` before the time limit or as a
+   preemption notice) and SIGTERM (preemption / requeue / cancel on clusters without it);
+2. a handler only sets the job's ``stop_event``: ``train`` finishes the step, saves a
+   checkpoint and returns ``"stopped"``;
+3. rank 0 then decides (``states.after_stop``): requeue (``scontrol requeue``; the same pickle
+   runs again), leave it to Slurm (already requeueing), or stop the run (cancel, restart
+   budget used up); ``"stage_completed"`` submits the next stage as a new job.
+
+Everything rank 0 sees is appended to ``<run_dir>/ledger.jsonl``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import submitit
+from submitit.core.utils import DelayedSubmission
+
+from . import ledger, query
+from .rendezvous import rendezvous_env
+from .states import after_stop, on_start
+
+DEFAULT_ENTRY = "v4launch.training.job:train"
+"""The training function a job calls: ``module:function`` or ``/path/file.py:function``."""
+
+
+class RestartBudgetExhausted(RuntimeError):
+    """The run used up slurm.max_restarts: the job stops instead of training again."""
+
+
+def resolve_entry(entry: str) -> Callable[..., Any]:
+    """Import ``module:function`` or ``/path/to/file.py:function``."""
+    target, _, name = entry.rpartition(":")
+    if target.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(f"_v4launch_entry_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, name)
+
+
+class SlurmTrainJob(submitit.helpers.Checkpointable):
+    """The callable submitit pickles for each job of a run.
+
+    Args:
+        run_dir: the run directory (created by ``create_run_dir(..., launcher="slurm")``).
+        max_steps: global optimizer-step cap passed to ``train`` (None = the whole curriculum).
+        entry: the training function (tests use a stand-in).
+    """
+
+    def __init__(self, run_dir: str | Path, max_steps: int | None = None, entry: str = DEFAULT_ENTRY) -> None:
+        self.run_dir = str(Path(run_dir).absolute())
+        self.max_steps = max_steps
+        self.entry = entry
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
+        """The resubmission submitit requeues: a fresh job that knows only the run directory."""
+        return DelayedSubmission(type(self)(self.run_dir, self.max_steps, self.entry))
+
+    def __call__(self) -> dict[str, Any]:
+        """Train this rank until the stage ends, the run ends, or a signal stops it."""
+        env = submitit.JobEnvironment()
+        job_id, rank = str(env.job_id), env.global_rank
+        run_dir = Path(self.run_dir)
+        recipe = _frozen_recipe(run_dir)
+        os.environ.update(rendezvous_env(os.environ, recipe.slurm.master_port))
+        if rank == 0:
+            self._record_start(run_dir, job_id, recipe)
+        stop, caught = threading.Event(), []
+        previous = _install_handlers(stop, caught)  # kept until the job returns: a late signal only sets stop
+        try:
+            try:
+                result = resolve_entry(self.entry)(run_dir, stop_after_stage=True, max_steps=self.max_steps,
+                                                   stop_event=stop, progress=False)
+            except Exception as exc:
+                if rank == 0:
+                    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                    ledger.append(run_dir, job_id, "failed", detail=last[:2000])
+                raise
+            if rank == 0:
+                self._after_train(run_dir, job_id, recipe, result, caught[0] if caught else "SIGTERM")
+        finally:
+            _restore_handlers(previous)
+        if result.status == "stopped":
+            sys.exit(-1)  # like submitit after a requeue: no result pickle for an interrupted attempt
+        return result.to_json()
+
+    # ------------------------------------------------------------------ rank 0
+    def _record_start(self, run_dir: Path, job_id: str, recipe: Any) -> None:
+        events = ledger.read(run_dir)
+        for event, detail in on_start(query.restart_count(), events, job_id, recipe.slurm.max_restarts):
+            ledger.append(run_dir, job_id, event, detail=detail or f"host {os.uname().nodename}")
+            if event == "budget_exhausted":
+                raise RestartBudgetExhausted(detail)
+
+    def _after_train(self, run_dir: Path, job_id: str, recipe: Any, result: Any, signal_name: str) -> None:
+        where = {"stage": result.stage_index, "step": result.step}
+        ckpt = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint"
+        if result.status == "completed":
+            ledger.append(run_dir, job_id, "completed", detail=ckpt, **where)
+        elif result.status == "max_steps":
+            ledger.append(run_dir, job_id, "exit", detail=f"max_steps={self.max_steps} reached; {ckpt}", **where)
+        elif result.status == "stage_completed":
+            ledger.append(run_dir, job_id, "stage_completed", detail=ckpt, **where)
+            if ledger.cancel_requested(ledger.read(run_dir), job_id):
+                ledger.append(run_dir, job_id, "exit", detail="cancelled: next stage not submitted", **where)
+            else:
+                self._submit_next_stage(run_dir, job_id, recipe, result.stage_index + 1)
+        elif result.status == "stopped":
+            self._after_stop(run_dir, job_id, recipe, signal_name, where, ckpt)
+
+    def _after_stop(self, run_dir: Path, job_id: str, recipe: Any, signal_name: str, where: dict, ckpt: str) -> None:
+        events = ledger.read(run_dir)
+        ledger.append(run_dir, job_id, "signal", detail=f"{signal_name}: stopped after the step; {ckpt}", **where)
+        decision = after_stop(signal_name, query.controller_state(job_id), ledger.restarts_used(events),
+                              recipe.slurm.max_restarts, cancel=ledger.cancel_requested(events, job_id),
+                              time_left_s=query.time_left_s(job_id), signal_delay_s=recipe.slurm.signal_delay_s)
+        ledger.append(run_dir, job_id, decision.event, detail=decision.detail, **where)
+        if decision.action == "requeue":
+            error = query.requeue(job_id)
+            if error:
+                ledger.append(run_dir, job_id, "exit", detail=f"scontrol requeue failed: {error}", **where)
+        elif decision.event == "budget_exhausted":
+            raise RestartBudgetExhausted(decision.detail)
+
+    def _submit_next_stage(self, run_dir: Path, job_id: str, recipe: Any, stage_index: int) -> None:
+        from .submit import submit_run
+
+        try:
+            submit_run(run_dir, max_steps=self.max_steps, entry=self.entry, env=query.clean_submit_env(dict(os.environ)),
+                       stage=stage_index, detail=f"stage {stage_index} chained from job {job_id}")
+        except Exception as exc:  # the run must say why the curriculum stopped here
+            ledger.append(run_dir, job_id, "failed", stage=stage_index,
+                          detail=f"could not submit stage {stage_index}: {exc}")
+            raise
+
+
+def _frozen_recipe(run_dir: Path) -> Any:
+    from ..rundir import load_run
+
+    return load_run(run_dir).recipe
+
+
+def _install_handlers(stop: threading.Event, caught: list[str]) -> dict[int, Any]:
+    """USR2 and SIGTERM set ``stop`` (every rank); returns the previous handlers."""
+    usr = submitit.JobEnvironment._usr_sig()
+
+    def handler(signum: int, frame: Any) -> None:
+        caught.append("USR2" if signum == usr else signal.Signals(signum).name)
+        stop.set()
+
+    previous = {}
+    for sig in (signal.SIGTERM, usr):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_handlers(previous: dict[int, Any]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)

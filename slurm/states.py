@@ -1,0 +1,149 @@
+"""The run-level requeue state machine: Slurm job states + ledger → what the user is told.
+
+Slurm states are grouped once here. A job Slurm is requeueing (PREEMPTED, REQUEUED, a
+TIMEOUT or NODE_FAIL followed by a requeue) is never shown as failed (submitit PR #1770);
+application crashes (FAILED, OUT_OF_MEMORY, an exception in the ledger) are. Decisions the
+job takes after a stop (requeue, leave it to Slurm, or stop the run) are pure functions so
+that they are unit-tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from .ledger import Event
+
+LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "COMPLETING",
+                  "CONFIGURING", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT"})
+"""States of a job that still occupies (or will occupy) the queue."""
+INFRA = frozenset({"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"})
+"""Ended by the cluster, not by the application."""
+CRASH = frozenset({"FAILED", "OUT_OF_MEMORY", "DEADLINE"})
+"""Ended by the application (or its resources)."""
+ALREADY_REQUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+"""Seen from inside a job that was signalled: Slurm itself is requeueing it."""
+
+TERMINAL_EVENTS = {"completed": "completed", "stage_completed": "stage completed", "failed": "failed",
+                   "budget_exhausted": "failed", "exit": "stopped"}
+
+
+def normalise(state: str | None) -> str:
+    """``'CANCELLED by 0'`` → ``'CANCELLED'``; ``None``/empty → ``'UNKNOWN'``."""
+    return (state or "UNKNOWN").split()[0].rstrip("+").upper()
+
+
+def job_state(slurm_state: str | None, events: Iterable[Event]) -> str:
+    """What ``status`` shows for one job, from its Slurm state and its own ledger events.
+
+    Returns one of: pending, running, requeued, completed, stage completed, stopped, cancelled,
+    failed, timeout, preempted, node failure, unknown.
+    """
+    state = normalise(slurm_state)
+    mine = list(events)
+    last = mine[-1].event if mine else None
+    if state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED") or (state == "PENDING" and last == "requeue"):
+        return "requeued"
+    if state == "PENDING":
+        return "pending"
+    if state in LIVE:
+        return "running"
+    if last in TERMINAL_EVENTS:  # the job said how it ended: trust it over the exit code
+        return TERMINAL_EVENTS[last]
+    if last == "requeue":
+        return "requeued"
+    if state == "COMPLETED":
+        return "completed"
+    if state == "CANCELLED":
+        return "cancelled"
+    if state == "TIMEOUT":
+        return "timeout"
+    if state == "PREEMPTED":
+        return "preempted"
+    if state in ("NODE_FAIL", "BOOT_FAIL"):
+        return "node failure"
+    if state in CRASH:
+        return "failed"
+    return "unknown"
+
+
+def run_state(job_states: list[str]) -> str:
+    """The run's state from its jobs' states (in submission order): any live job wins, else the last."""
+    for live in ("running", "requeued", "pending"):
+        if live in job_states:
+            return live
+    return job_states[-1] if job_states else "not launched"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a stopped job does next: ``requeue`` (v4launch requeues it), ``leave`` (Slurm already
+    requeues it), or ``exit`` (the run stops here); ``event`` and ``detail`` go to the ledger."""
+
+    action: str
+    event: str
+    detail: str
+
+
+def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_restarts: int, *,
+               cancel: bool, time_left_s: int | None, signal_delay_s: int) -> Decision:
+    """Decide what a job does after train() returned "stopped" on a signal.
+
+    Args:
+        signal_name: ``"USR2"`` (submitit's checkpoint signal: time limit or preemption notice) or
+            ``"SIGTERM"`` (preemption, ``scontrol requeue``, scancel, or a time limit on clusters
+            without the user signal).
+        slurm_state: the job's state as Slurm reports it now (scontrol).
+        restarts: requeues already used by the run; ``max_restarts``: slurm.max_restarts.
+        cancel: ``v4launch cancel`` asked this job to stop.
+        time_left_s: seconds before the job's time limit (None if unknown).
+    """
+    state = normalise(slurm_state)
+    if cancel or state == "CANCELLED":
+        return Decision("exit", "exit", f"cancelled ({signal_name}); checkpoint saved")
+    near_limit = state == "TIMEOUT" or (time_left_s is not None and time_left_s <= signal_delay_s + 30)
+    reason = "time limit" if near_limit else "preemption"
+    if state in ALREADY_REQUEUED:
+        return Decision("leave", "requeue", f"{reason} ({signal_name}): requeued by Slurm; checkpoint saved")
+    if restarts >= max_restarts:
+        return Decision("exit", "budget_exhausted",
+                        f"{reason} ({signal_name}) after {restarts} restart(s): slurm.max_restarts={max_restarts} used up")
+    return Decision("requeue", "requeue", f"{reason} ({signal_name}): checkpoint saved, requeued "
+                                          f"(restart {restarts + 1} of {max_restarts})")
+
+
+def on_start(restart_count: int, events: list[Event], job_id: str, max_restarts: int) -> list[tuple[str, str]]:
+    """Ledger events a job appends when it starts, and whether the budget allows it to run.
+
+    Args:
+        restart_count: Slurm's restart counter of this job (0 on the first attempt).
+        events: the run's ledger so far.
+
+    Returns:
+        ``(event, detail)`` pairs to append, in order; a ``budget_exhausted`` pair means: do not train.
+    """
+    if restart_count == 0:
+        return [("start", "")]
+    out: list[tuple[str, str]] = []
+    mine = [e for e in events if e.job_id == str(job_id)]
+    if not mine or mine[-1].event != "requeue":  # killed without our handler running (node failure, SIGKILL)
+        out.append(("requeue", "requeued by Slurm without a checkpoint signal (node failure or kill)"))
+    used = sum(1 for e in events if e.event == "requeue") + len(out)
+    if used > max_restarts:
+        out.append(("budget_exhausted", f"{used} restarts > slurm.max_restarts={max_restarts}: not training again"))
+        return out
+    out.append(("restart", f"restart {restart_count} (Slurm), {used} of {max_restarts} used by the run"))
+    return out
+
+
+_TIME = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")
+
+
+def parse_duration(text: str) -> int | None:
+    """Slurm's ``[D-][HH:]MM:SS`` (squeue ``%L``) in seconds; None for UNLIMITED / INVALID / junk."""
+    m = _TIME.match(text.strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
