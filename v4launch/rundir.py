@@ -79,9 +79,14 @@ class RunPaths:
         return self.root / LAUNCH_JSON
 
 
-def recipe_hash(yaml_text: str) -> str:
-    """sha256 (hex, first 16 chars) of a frozen recipe's YAML text: the identity stored in run.json."""
-    return hashlib.sha256(yaml_text.encode()).hexdigest()[:16]
+def recipe_hash(recipe: Any) -> str:
+    """sha256 (hex) of the resolved recipe's canonical JSON (sorted keys, no spaces).
+
+    The same identity checkpoint manifests carry (``v4launch.checkpoints.base.recipe_hash``), computed
+    here without importing torch.
+    """
+    payload = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def git_sha(cwd: Path | None = None) -> str | None:
@@ -144,7 +149,7 @@ def create_run_dir(loaded: Any, launcher: LauncherName, extra: dict[str, Any] | 
         "name": run_dir.name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe.name,
-        "recipe_hash": recipe_hash(yaml_text),
+        "recipe_hash": recipe_hash(recipe),
         "recipe_source": str(getattr(loaded, "path", "") or ""),
         "launcher": launcher,
         "extra": dict(extra or {}),
@@ -161,10 +166,9 @@ def refreeze_recipe(run_dir: Path, loaded: Any) -> str:
     paths = RunPaths(Path(run_dir))
     meta = read_run_json(run_dir)
     old_text = paths.recipe.read_text()
-    (paths.root / f"recipe.{recipe_hash(old_text)}.yaml").write_text(old_text)
-    text = loaded.to_yaml()
-    new_hash = recipe_hash(text)
-    paths.recipe.write_text(text)
+    (paths.root / f"recipe.{str(meta.get('recipe_hash', 'previous'))[:12]}.yaml").write_text(old_text)
+    new_hash = recipe_hash(loaded.recipe)
+    paths.recipe.write_text(loaded.to_yaml())
     meta.setdefault("recipe_history", []).append(
         {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from": meta.get("recipe_hash"), "to": new_hash})
     meta["recipe_hash"] = new_hash

@@ -1,9 +1,108 @@
-"""`v4launch resume` (being written)."""
+"""`v4launch resume`: check a resume against the run's latest checkpoint, then relaunch it where it ran."""
 
-HELP = "resume (not yet available)"
-EXAMPLES = ""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from .common import OUT, JsonOpt, OverridesArg
+
+HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint. The checkpoint's "
+        "manifest is compared with the recipe (the run's frozen one, or --recipe / overrides, then re-frozen "
+        "into the run) and the requested stage or phase; every aspect is safe, reshard or refused with the "
+        "--allow-* flag that overrides it. Refused: exit 1. Otherwise writes resume.json and relaunches on "
+        "the run's launcher (local in the foreground, or Slurm).")
+EXAMPLES = """Examples:
+
+  v4launch resume                                   # newest run, continue where it stopped
+
+  v4launch resume runs/tiny_cpu-20260101-120000 --phase sparse
+
+  v4launch resume RUN --recipe recipes/tiny_cpu.yaml cluster.gpus_per_node=2 --dry-run
+
+  v4launch resume RUN --stage 0 --allow-phase-regression
+"""
+
+RunArg = Annotated[str | None, typer.Argument(help="Run directory; default: the workspace's newest run.",
+                                              show_default=False)]
+PhaseOpt = Annotated[Literal["dense", "warmup", "sparse"] | None, typer.Option(
+    "--phase", help="Continue at the first stage with this phase at or after the checkpoint's stage.",
+    show_default=False)]
+StageOpt = Annotated[str | None, typer.Option("--stage", help="Continue at this stage (index or name), from its start.",
+                                              show_default=False)]
+RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="New recipe for the rest of the run (re-frozen).",
+                                                show_default=False)]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the compatibility report; launch nothing.")]
 
 
-def resume() -> None:
-    """Not yet available."""
-    raise NotImplementedError("v4launch resume is not implemented yet")
+def _flag(name: str, what: str):
+    return Annotated[bool, typer.Option(name, help=what)]
+
+
+AllowLayer = _flag("--allow-layer-change", "Accept a changed layer schedule (compress_ratios, layers, MTP depth).")
+AllowPhase = _flag("--allow-phase-regression", "Accept going back to an earlier phase or stage.")
+AllowRegroup = _flag("--allow-optimizer-regroup", "Accept changed optimizer groups or parameter dtypes.")
+AllowTokenizer = _flag("--allow-tokenizer-change", "Accept another tokenizer.")
+AllowCold = _flag("--allow-cold-indexer", "Accept sparse attention with an indexer that never trained in warm-up.")
+
+
+def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt = None, stage: StageOpt = None,
+           recipe: RecipeOpt = None, allow_layer_change: AllowLayer = False, allow_phase_regression: AllowPhase = False,
+           allow_optimizer_regroup: AllowRegroup = False, allow_tokenizer_change: AllowTokenizer = False,
+           allow_cold_indexer: AllowCold = False, dry_run: DryRunOpt = False, json_out: JsonOpt = False) -> None:
+    """Check, then relaunch (or only report with --dry-run)."""
+    from ..launchers import launcher_for
+    from ..rundir import load_run, refreeze_recipe, write_resume_request
+    from ..training.recipe_io import check_recipe, load_recipe
+    from ..training.resume import plan_resume, refusal
+    from ..workspace import Workspace
+
+    extra = list(overrides or [])
+    if run is not None and "=" in run and not Path(run).exists():
+        run, extra = None, [run, *extra]
+    if run is None:
+        run_dir = Workspace.current().newest_run()
+        OUT.note(f"run: {run_dir} (the workspace's newest run)")
+    else:
+        run_dir = Path(run)
+    info = load_run(run_dir)
+    changed = recipe is not None or bool(extra)
+    loaded = load_recipe(recipe or info.paths.recipe, extra) if changed else info.loaded
+    if changed:
+        for warning in check_recipe(loaded):
+            OUT.note(f"warning: {warning}")
+    flags = {"--allow-layer-change": allow_layer_change, "--allow-phase-regression": allow_phase_regression,
+             "--allow-optimizer-regroup": allow_optimizer_regroup, "--allow-tokenizer-change": allow_tokenizer_change,
+             "--allow-cold-indexer": allow_cold_indexer}
+    plan = plan_resume(info.paths.root, loaded, stage=stage, phase=phase, allow=tuple(f for f, on in flags.items() if on))
+    _show(plan, json_out)
+    if not plan.report.ok:
+        raise refusal(plan)
+    if dry_run:
+        OUT.note("dry run: nothing written, nothing launched")
+        return
+    if changed:
+        refreeze_recipe(info.paths.root, loaded)
+    write_resume_request(info.paths.root, plan.request())
+    Workspace.current().remember(run=str(info.paths.root))
+    launched = launcher_for(info.paths.root).launch(info.paths.root)
+    if launched.result is not None:
+        from .run import print_summary
+
+        entropy = (info.meta.get("extra") or {}).get("unigram_entropy_nats")
+        print_summary(info.paths.root, launched.result, entropy)
+    elif launched.job_id:
+        OUT.console.print(f"resumed as {launched.launcher} job [bold]{launched.job_id}[/bold]")
+
+
+def _show(plan, json_out: bool) -> None:
+    where = f"stage #{plan.stage_index} {plan.stage_name} ({plan.phase})"
+    if json_out:
+        OUT.json({"run_dir": str(plan.run_dir), "checkpoint": str(plan.checkpoint), "target": where,
+                  **plan.report.to_dict()})
+        return
+    OUT.console.print(f"checkpoint {plan.checkpoint} (step {plan.manifest.step}, stage {plan.manifest.stage_name}, "
+                      f"phase {plan.manifest.phase}) → {where}")
+    OUT.console.print(plan.report.render())

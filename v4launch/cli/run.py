@@ -1,9 +1,106 @@
-"""`v4launch run` (being written)."""
+"""`v4launch run`: validate a recipe, prepare its data, create a run directory and train it here."""
 
-HELP = "run (not yet available)"
-EXAMPLES = ""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .common import OUT, OverridesArg
+
+HELP = ("Train RECIPE on this machine: validate it (refused with exit 1 on a contract violation), prepare "
+        "its data, create a run directory under the workspace's run.output_root, and run every curriculum "
+        "stage (world size = cluster.nodes x cluster.gpus_per_node processes on this host). Ctrl-C or "
+        "`v4launch cancel RUN` stops after the current step with a checkpoint; `v4launch resume` continues.")
+EXAMPLES = """Examples:
+
+  v4launch run recipes/tiny_cpu.yaml
+
+  v4launch run                                          # the workspace's recipe
+
+  v4launch run recipes/tiny_cpu.yaml optimizer.lr=1e-3 --max-steps 20 --no-progress
+"""
+
+RecipeArg = Annotated[str | None, typer.Argument(
+    help="Recipe YAML; default: the workspace's recipe (the one last validated or run).", show_default=False)]
+MaxStepsOpt = Annotated[int | None, typer.Option(
+    "--max-steps", min=0, help="Stop (with a checkpoint) once the run has done N optimizer steps.", show_default=False)]
+NoProgressOpt = Annotated[bool, typer.Option("--no-progress", help="Plain log lines instead of the progress display.")]
 
 
-def run() -> None:
-    """Not yet available."""
-    raise NotImplementedError("v4launch run is not implemented yet")
+def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[Path | None, list[str]]:
+    """``run key=value`` without a recipe: the first override landed in RECIPE."""
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        return None, [recipe, *overrides]
+    return (Path(recipe) if recipe else None), overrides
+
+
+def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: MaxStepsOpt = None,
+        no_progress: NoProgressOpt = False) -> None:
+    """Validate, prepare data, create the run directory, train locally, print a summary."""
+    from ..data import get_tokenizer, prepare_dataset
+    from ..launchers import LocalLauncher
+    from ..rundir import create_run_dir, git_sha
+    from ..training.recipe_io import check_recipe, load_recipe
+    from ..workspace import Workspace
+
+    ws = Workspace.current()
+    path, extra = _split_recipe(recipe, list(overrides or []))
+    if path is None:
+        path = ws.default_recipe()
+        OUT.note(f"recipe: {path} (the workspace's recipe)")
+    loaded = load_recipe(path, extra)
+    for warning in check_recipe(loaded):
+        OUT.note(f"warning: {warning}")
+    ws.remember(recipe=str(path))
+    r = loaded.recipe
+    dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
+    OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
+                      f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "
+                      f"{dataset.entropy_bits:.3f} bits/token = {dataset.entropy_nats:.3f} nats/token")
+    run_dir = create_run_dir(loaded, "local", {"git_sha": git_sha(), "data_prefix": str(dataset.prefix),
+                                               "unigram_entropy_nats": dataset.entropy_nats,
+                                               "unigram_entropy_bits": dataset.entropy_bits,
+                                               "overrides": extra}, workspace=ws)
+    ws.remember(run=str(run_dir))
+    OUT.console.print(f"run directory: [bold]{run_dir}[/bold]")
+    info = LocalLauncher().launch(run_dir, max_steps=max_steps, progress=not no_progress)
+    print_summary(run_dir, info.result, dataset.entropy_nats)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of the run's metrics.jsonl."""
+    out = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> None:
+    """Final LM loss vs the unigram entropy, phase transitions, checkpoint and metrics paths."""
+    recs = read_metrics(run_dir)
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    phases = [r for r in recs if r.get("kind") == "event" and r.get("event") == "phase"]
+    OUT.console.print(f"[bold]{result.status}[/bold] at step {result.step} (stage #{result.stage_index})")
+    if train:
+        last = train[-1]
+        tail = train[-min(10, len(train)):]
+        avg = sum(r["lm_loss"] for r in tail) / len(tail)
+        line = f"final lm loss {last['lm_loss']:.4f} nats/token (mean of last {len(tail)} steps {avg:.4f})"
+        if entropy_nats:
+            line += f" vs unigram entropy {entropy_nats:.4f} nats/token"
+        OUT.console.print(line)
+        sums = ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.get("aux_sum", {}).items()))
+        OUT.console.print(f"aux losses (raw, summed per kind): {sums or 'none'}")
+    if evals:
+        OUT.console.print(f"held-out lm loss at stage end: {evals[-1]['lm_loss']:.4f} (stage {evals[-1]['stage']})")
+    OUT.console.print("transitions: " + (", ".join(f"{p['old']} -> {p['new']} at step {p['step']}" for p in phases)
+                                         or "none"))
+    OUT.console.print(f"checkpoint: {result.checkpoint}")
+    OUT.console.print(f"metrics: {Path(run_dir) / 'metrics.jsonl'} (TensorBoard: {Path(run_dir) / 'tb'})")

@@ -80,8 +80,10 @@ def check_recipe(loaded: Any) -> list[str]:
         return []
     report = validate_recipe(loaded)
     if not report.ok:
-        lines = [f"{getattr(v, 'rule', getattr(v, 'id', '?'))}: {getattr(v, 'message', v)}" for v in report.violations]
+        lines = [f"{v.rule_id}" + (f" [stage {v.stage}]" if v.stage else "") + f" {v.field}={v.value!r}: {v.message}"
+                 f" (set at {v.source}; fix: {v.fix})" for v in report.violations]
+        ids = ", ".join(sorted(report.failed_rule_ids()))
         raise ContractViolation(
-            f"recipe {loaded.recipe.name} breaks the V4 contract ({len(lines)} violation(s)):\n  " + "\n  ".join(lines),
+            f"[{ids}] recipe {loaded.recipe.name} breaks the V4 contract ({len(lines)} violation(s)):\n  " + "\n  ".join(lines),
             hint="run `v4launch validate RECIPE` for the full report, fix the fields, then run again")
-    return [str(getattr(w, "message", w)) for w in getattr(report, "warnings", [])]
+    return [f"{w.rule_id}: {w.message}" for w in report.warnings]
