@@ -1,9 +1,70 @@
-"""`v4launch explain` (being written)."""
+"""`v4launch explain`: what a contract rule checks, where it comes from, the fields it reads and the fix."""
 
-HELP = "explain (not yet available)"
-EXAMPLES = ""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from ..errors import UsageError
+from ..validators import RULES, Rule
+from ..validators.schema_errors import did_you_mean
+from .common import OUT, JsonOpt
+
+HELP = "Describe a contract rule: statement, source, fields read, severity and fix. Without RULE_ID, list every rule."
+EXAMPLES = """Examples:
+
+  v4launch explain V4-CP-BOUNDARY
+
+  v4launch explain cp-boundary          # the V4- prefix and case are optional
+
+  v4launch explain                      # every rule
+"""
+
+RuleArg = Annotated[Optional[str], typer.Argument(help="Rule id, e.g. V4-CP-BOUNDARY (case and the V4- prefix optional).", show_default=False)]
 
 
-def explain() -> None:
-    """Not yet available."""
-    raise NotImplementedError("v4launch explain is not implemented yet")
+def _lookup(text: str) -> Rule | None:
+    key = text.strip().upper()
+    return RULES.get(key) or RULES.get(f"V4-{key}")
+
+
+def _rule_dict(rule: Rule) -> dict:
+    return {"id": rule.id, "statement": rule.statement, "source": rule.source, "fields": list(rule.fields),
+            "severity": rule.severity, "scope": rule.scope, "fix": rule.fix}
+
+
+def _list_rules() -> None:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("rule", "severity", "statement"):
+        table.add_column(name, overflow="fold")
+    for rule in RULES.values():
+        table.add_row(rule.id, rule.severity, rule.statement)
+    OUT.console.print(table)
+
+
+def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
+    """Print one rule (or all rules); an unknown id lists every rule and exits 2."""
+    if rule_id is None:
+        if as_json:
+            OUT.json([_rule_dict(r) for r in RULES.values()])
+        else:
+            _list_rules()
+        return
+    rule = _lookup(rule_id)
+    if rule is None:
+        guess = did_you_mean(rule_id.strip().upper(), list(RULES)) or did_you_mean(f"V4-{rule_id.strip().upper()}", list(RULES))
+        if not as_json:
+            _list_rules()
+        mean = f" (did you mean {guess[0]}?)" if guess else ""
+        raise UsageError(f"unknown rule id '{rule_id}'{mean}", hint="`v4launch explain` lists every rule")
+    if as_json:
+        OUT.json(_rule_dict(rule))
+        return
+    con = OUT.console
+    con.print(f"[bold]{rule.id}[/bold]  ({rule.severity}, checked {'once per recipe' if rule.scope == 'recipe' else 'per curriculum stage'})")
+    con.print(f"  rule:   {rule.statement}")
+    con.print(f"  source: {rule.source}")
+    con.print(f"  fields: {', '.join(rule.fields)}")
+    con.print(f"  fix:    {rule.fix}")

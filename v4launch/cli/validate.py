@@ -1,9 +1,144 @@
-"""`v4launch validate` (being written)."""
+"""`v4launch validate`: load a recipe, run every contract rule per stage, print the report.
 
-HELP = "validate (not yet available)"
-EXAMPLES = ""
+Exit codes: 0 clean (warnings allowed), 1 contract violation, 2 unreadable recipe or usage error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import RecipeError
+from ..recipe_loading import display_path, load_recipe
+from ..validators import Report, RuleResult, StageResult, validate_recipe
+from ..workspace import Workspace
+from .common import OUT, JsonOpt, OverridesArg
+
+HELP = (
+    "Check a recipe against the DeepSeek-V4 runtime contract, stage by stage, before any GPU time is spent. "
+    "Prints every rule's status (pass / fail / warn / n/a) with the field, its value, where it was set and the fix. "
+    "Exit 0: clean (warnings allowed); 1: contract violation; 2: unreadable recipe or usage error."
+)
+EXAMPLES = """Examples:
+
+  v4launch validate recipes/flash_4n.yaml
+
+  v4launch validate recipes/flash_4n.yaml parallel.cp=8 --json
+
+  v4launch validate curriculum.stages.5.cp=16        # the workspace's recipe, one override
+"""
+
+RecipeArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Recipe YAML (default: the workspace's recorded recipe).", show_default=False),
+]
+
+STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "n/a": "dim"}
 
 
-def validate() -> None:
-    """Not yet available."""
-    raise NotImplementedError("v4launch validate is not implemented yet")
+def _split(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A first positional with '=' that is not an existing file is an override, not the recipe."""
+    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+        return None, [recipe, *overrides]
+    return recipe, overrides
+
+
+def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False) -> None:
+    """Validate RECIPE (with dotlist overrides) and print the contract report."""
+    path, extra = _split(recipe, list(overrides or []))
+    workspace = Workspace.current()
+    if path is None:
+        path = str(workspace.default_recipe())
+        OUT.note(f"recipe: {path} (the workspace's recorded recipe)")
+    try:
+        loaded = load_recipe(path, extra)
+    except RecipeError as err:
+        if as_json:
+            OUT.json({"ok": False, "error": err.message, "hint": err.hint})
+        raise
+    workspace.remember(recipe=str(loaded.path))
+    report = validate_recipe(loaded)
+    if as_json:
+        OUT.json(report.to_dict())
+    else:
+        render(report, loaded.recipe)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def human_bytes(n: int | None) -> str:
+    """1536 → '1.5 KiB'."""
+    if not n:
+        return "0 B"
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _cell(value: Any) -> str:
+    text = str(value) if not isinstance(value, (list, tuple)) else "[" + ", ".join(map(str, value)) + "]"
+    return text if len(text) <= 48 else text[:45] + "..."
+
+
+def _table(results: tuple[RuleResult, ...]) -> Table:
+    table = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
+    for name in ("status", "rule", "field = value", "set at", "note / fix"):
+        table.add_column(name, overflow="fold")
+    for r in results:
+        style = STYLE[r.status]
+        if r.violations:
+            for v in r.violations:
+                note = Text(v.message, style=style) + Text(f"\n→ fix: {v.fix}", style="cyan")
+                table.add_row(Text(r.status, style=style), v.rule_id, Text(f"{v.field} = {_cell(v.value)}"), Text(v.source), note)
+        elif r.status == "pass":
+            fv = f"{r.field} = {_cell(r.value)}" if r.field else ""
+            table.add_row(Text("pass", style=style), r.rule_id, Text(fv), Text(r.source or ""), Text(r.note))
+        else:
+            table.add_row(Text(r.status, style=style), Text(r.rule_id, style="dim"), "", "", Text(r.note, style="dim"))
+    return table
+
+
+def _stage_lines(stage: StageResult) -> Text:
+    """Two header lines of a stage: its shape, then its derived figures."""
+    d = stage.derived
+    head = Text(f"stage {stage.index} {stage.name}", style="bold") + Text(f" · {stage.phase}")
+    if "error" in d:
+        return head + Text(f" · figures unavailable ({d['error']})")
+    dp = d["dp"] if d["dp"] is not None else "?"
+    head += Text(f" · seq_len {d['seq_len']} · cp {d['cp']} · dp {dp} · {d['tokens_per_step']} tokens/step")
+    parts = [f"local rows {d['local_rows']} (boundary {d['boundary_width']})",
+             f"all-gather per rank {human_bytes(d['allgather_bytes_total'])} (CSA {human_bytes(d['csa_allgather_bytes_per_layer'])}"
+             f", HCA {human_bytes(d['hca_allgather_bytes_per_layer'])} per layer)"]
+    if d["topk_alignment"]:
+        parts.append(f"top-k pad {d['topk_padding_waste']} (align {d['topk_alignment']})")
+    if d["pp_balance"] is not None:
+        costs = "/".join(f"{c:.1f}" for c in d["pp_stage_gflop_per_token"])
+        parts.append(f"PP GFLOP/token {costs} (max/mean {d['pp_balance']:.2f})")
+    return head + Text("\n  " + " · ".join(parts), style="dim")
+
+
+def render(report: Report, recipe: Any) -> None:
+    """Print the human report: header, recipe-wide rules, one block per stage, summary."""
+    c, p = recipe.cluster, recipe.parallel
+    con = OUT.console
+    shown = display_path(Path(report.path)) if report.path else report.recipe
+    con.print(f"[bold]{report.recipe}[/bold] ({shown}) · {c.nodes}×{c.gpus_per_node} {c.gpu}"
+              f"{f' (SM{c.sm})' if c.sm else ''} · world {c.world_size} · tp{p.tp} pp{p.pp} vpp{p.vpp} ep{p.ep}"
+              f"{f' · layout {p.pp_layout}' if p.pp_layout else ''}")
+    con.print("\n[bold]recipe-wide rules[/bold]")
+    con.print(_table(report.recipe_results))
+    for stage in report.stages:
+        con.print()
+        con.print(_stage_lines(stage))
+        con.print(_table(stage.results))
+    n_err, n_warn = len(report.violations), len(report.warnings)
+    verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
+    con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "
+              f"(exit {0 if report.ok else 1}); `v4launch explain RULE` describes a rule")

@@ -1,0 +1,265 @@
+"""Load a recipe: YAML (+ ``extends``) → omegaconf (merge, overrides, interpolation) → pydantic ``Recipe``.
+
+    loaded = load_recipe("recipes/flash_4n.yaml", ["parallel.cp=8"])
+    loaded.recipe              # validated Recipe
+    loaded.resolved            # plain dict: every field's effective value, interpolations resolved, no `extends`
+    loaded.source_of("parallel.cp")   # "override parallel.cp=8" | "recipes/flash_4n.yaml:12" | "default"
+    loaded.to_yaml()           # what gets frozen into a run directory
+
+A recipe may name a base with ``extends: flash.yaml`` (resolved relative to the file); the
+child's mappings merge into the base's, lists replace. Overrides are ``dotted.key=value``
+with YAML values (list indices allowed: ``curriculum.stages.0.steps=10``). Every failure is
+a ``RecipeError`` (exit 2) naming the file and line; never a raw pydantic dump.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import ValidationError
+
+from .errors import RecipeError
+from .validators.schema import Recipe
+from .validators.schema_errors import describe_validation_error
+
+EXTENDS_KEY = "extends"
+_OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """Safe YAML loader that reads ``1e-2`` as a float (YAML 1.2) and rejects duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first set on line {seen[key]})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def display_path(path: Path) -> str:
+    """``path`` relative to the working directory when inside it, else absolute."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path.as_posix()
+    return path.as_posix() if rel.startswith("..") else rel
+
+
+def _kind(value: Any) -> str:
+    return "map" if isinstance(value, (dict, yaml.MappingNode)) else "seq" if isinstance(value, (list, tuple, yaml.SequenceNode)) else "scalar"
+
+
+def _walk(node: yaml.Node, prefix: str, out: dict[str, tuple[int, str]]) -> None:
+    """Record (1-based line, kind) of every key and list item under ``node``, by dotted path."""
+    if isinstance(node, yaml.MappingNode):
+        items = [(str(getattr(k, "value", k)), k.start_mark.line + 1, v) for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        items = [(str(i), v.start_mark.line + 1, v) for i, v in enumerate(node.value)]
+    else:
+        return
+    for key, line, child in items:
+        path = f"{prefix}.{key}" if prefix else key
+        out[path] = (line, _kind(child))
+        _walk(child, path, out)
+
+
+def read_yaml(path: Path) -> tuple[dict, dict[str, tuple[int, str]]]:
+    """Parse one recipe file: its mapping and the (line, kind) of every dotted path in it."""
+    shown = display_path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"cannot read {shown}: {err}", hint="check the path and that the file is UTF-8 text") from None
+    loader = RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        problem = getattr(err, "problem", None) or _first_line(err)
+        raise RecipeError(f"{shown}:{line}: invalid YAML: {problem}", hint="check indentation, colons and quotes on that line") from None
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise RecipeError(f"{shown}: a recipe is a mapping of sections (name:, model:, parallel:, …), got {type(data).__name__}",
+                          hint="start from a shipped recipe, e.g. recipes/flash.yaml")
+    lines: dict[str, tuple[int, str]] = {}
+    _walk(node, "", lines)
+    return data, lines
+
+
+class SourceMap:
+    """Where each dotted path got its value: the last file (base → child) or override that set it."""
+
+    def __init__(self) -> None:
+        self._src: dict[str, tuple[str, str]] = {}
+
+    def _set(self, path: str, where: str, kind: str) -> None:
+        if kind != "map":  # a list or scalar replaces everything a base set below it
+            for key in [k for k in self._src if k.startswith(path + ".")]:
+                del self._src[key]
+        self._src[path] = (where, kind)
+
+    def add_file(self, file: Path, lines: dict[str, tuple[int, str]]) -> None:
+        shown = display_path(file)
+        for path, (line, kind) in lines.items():
+            self._set(path, f"{shown}:{line}", kind)
+
+    def add_override(self, key: str, value: Any, label: str) -> None:
+        self._set(key, label, _kind(value))
+        stack = [(key, value)]
+        while stack:
+            prefix, val = stack.pop()
+            children = val.items() if isinstance(val, dict) else enumerate(val) if isinstance(val, list) else ()
+            for k, v in children:
+                self._set(f"{prefix}.{k}", label, _kind(v))
+                stack.append((f"{prefix}.{k}", v))
+
+    def lookup(self, dotted: str) -> str:
+        """Source of ``dotted`` (``a.b[2].c`` or ``a.b.2.c``).
+
+        A field absent from the nearest mapping that was set is a default; a field inside a list
+        (or scalar) set as a whole comes from where that list was set.
+        """
+        key = re.sub(r"\[(\d+)\]", r".\1", dotted).strip(".")
+        parts = key.split(".")
+        for n in range(len(parts), 0, -1):
+            found = self._src.get(".".join(parts[:n]))
+            if found:
+                return found[0] if n == len(parts) or found[1] != "map" else "default"
+        return "default"
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    """A validated recipe with its resolved values and where each value was set."""
+
+    recipe: Recipe
+    resolved: dict
+    path: Path
+    sources: SourceMap = field(repr=False)
+
+    def source_of(self, dotted_field: str) -> str:
+        """Where ``dotted_field`` was set: ``"recipes/x.yaml:12"``, ``"override k=v"`` or ``"default"``."""
+        return self.sources.lookup(dotted_field)
+
+    def to_yaml(self) -> str:
+        """The resolved recipe as YAML (loads back to the same ``Recipe``)."""
+        return yaml.safe_dump(self.resolved, sort_keys=False, default_flow_style=None, width=120)
+
+
+def _find(path: str | Path) -> Path:
+    """``path`` itself, else a shipped recipe of that name (``flash_4n`` or ``flash_4n.yaml``)."""
+    p = Path(path)
+    if p.is_file():
+        return p.resolve()
+    if p.parent == Path("."):
+        shipped = Path(__file__).resolve().parent.parent / "recipes"
+        for cand in (shipped / p.name, shipped / f"{p.name}.yaml"):
+            if cand.is_file():
+                return cand.resolve()
+        try:
+            from importlib.resources import files
+
+            pkg = files("v4launch.recipes")
+            for name in (p.name, f"{p.name}.yaml"):
+                if pkg.joinpath(name).is_file():
+                    return Path(str(pkg.joinpath(name))).resolve()
+        except (ModuleNotFoundError, TypeError):
+            pass
+    raise RecipeError(f"recipe not found: {path}", hint="give a path to a .yaml recipe, e.g. recipes/flash_4n.yaml")
+
+
+def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> DictConfig:
+    """Load ``path`` and its ``extends`` bases (base first), merging into one DictConfig."""
+    if path in seen:
+        cycle = " → ".join(display_path(p) for p in (*seen, path))
+        raise RecipeError(f"recipe extends itself: {cycle}", hint="remove one of the extends: keys")
+    data, lines = read_yaml(path)
+    base_cfg = OmegaConf.create({})
+    base = data.pop(EXTENDS_KEY, None)
+    where = f"{display_path(path)}:{lines.get(EXTENDS_KEY, (1, ''))[0]}"
+    if base is not None:
+        if not isinstance(base, str) or not base:
+            raise RecipeError(f"{where}: extends must be a file name, got {base!r}", hint="e.g. extends: flash.yaml")
+        base_path = (path.parent / base).resolve()
+        if not base_path.is_file():
+            raise RecipeError(f"{where}: base recipe not found: {base} (looked at {display_path(base_path)})",
+                              hint="extends is resolved relative to the file that names it")
+        base_cfg = _chain(base_path, sources, (*seen, path))
+    sources.add_file(path, {k: v for k, v in lines.items() if k != EXTENDS_KEY})
+    try:
+        return OmegaConf.merge(base_cfg, OmegaConf.create(data))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        raise RecipeError(f"{sources.lookup(key) if key else display_path(path)}: cannot merge over the base: {_first_line(err)}",
+                          hint="a key that is a section in the base must stay a section") from None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _apply_override(cfg: DictConfig, text: str, sources: SourceMap) -> None:
+    """Apply one ``dotted.key=value`` override (value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _OVERRIDE_KEY.match(key):
+        raise RecipeError(f"bad override '{text}': expected dotted.key=value, e.g. parallel.cp=8",
+                          hint="keys are dotted paths into the recipe; list items by index: curriculum.stages.0.steps=10")
+    if key == EXTENDS_KEY:
+        raise RecipeError(f"bad override '{text}': extends cannot be overridden", hint="edit the recipe's extends: line")
+    try:
+        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else None
+        OmegaConf.update(cfg, key, value, merge=True)
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError) as err:
+        raise RecipeError(f"bad override '{text}': {_first_line(err)}",
+                          hint="check the key path exists (list indices must be in range) and the value is YAML") from None
+    sources.add_override(key, value, f"override {text}")
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:
+    """Load, compose, override, resolve and validate a recipe.
+
+    Raises:
+        RecipeError: unreadable file, bad YAML, bad ``extends``, bad override, unresolvable
+            interpolation, or a schema error (field path, value, rule, file:line).
+    """
+    file = _find(path)
+    sources = SourceMap()
+    cfg = _chain(file, sources)
+    for text in overrides:
+        _apply_override(cfg, text, sources)
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or ""
+        where = sources.lookup(key) if key else display_path(file)
+        raise RecipeError(f"{where}: cannot resolve {key or 'the recipe'}: {_first_line(err)}",
+                          hint="interpolations look like ${section.key}; the target must exist") from None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as err:
+        message, hint = describe_validation_error(err, sources.lookup, display_path(file))
+        raise RecipeError(message, hint) from None
+    resolved = recipe.model_dump(mode="json", exclude_computed_fields=True)
+    return LoadedRecipe(recipe, resolved, file, sources)
