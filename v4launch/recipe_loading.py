@@ -7,7 +7,8 @@
     loaded.to_yaml()           # what gets frozen into a run directory
 
 A recipe may name a base with ``extends: flash.yaml`` (resolved relative to the file); the
-child's mappings merge into the base's, lists replace. Overrides are ``dotted.key=value``
+child's mappings merge into the base's, lists replace (omegaconf's merge rules, done on plain
+data because omegaconf is slow; omegaconf is imported only to resolve ``${...}``). Overrides are ``dotted.key=value``
 with YAML values (list indices allowed: ``curriculum.stages.0.steps=10``). Every failure is
 a ``RecipeError`` (exit 2) naming the file and line; never a raw pydantic dump.
 """
@@ -22,8 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
 from .errors import RecipeError
@@ -35,7 +34,10 @@ _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 _EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
-class RecipeLoader(yaml.SafeLoader):
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class RecipeLoader(_SafeLoader):  # type: ignore[misc,valid-type]
     """Safe YAML loader that reads ``1e-2`` as a float (YAML 1.2) and rejects duplicate keys."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -189,13 +191,22 @@ def _find(path: str | Path) -> Path:
     raise RecipeError(f"recipe not found: {path}", hint="give a path to a .yaml recipe, e.g. recipes/flash_4n.yaml")
 
 
-def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> DictConfig:
-    """Load ``path`` and its ``extends`` bases (base first), merging into one DictConfig."""
+def _merge(base: dict, child: dict) -> dict:
+    """omegaconf merge semantics on plain data: mappings merge recursively, anything else replaces."""
+    out = dict(base)
+    for key, value in child.items():
+        old = out.get(key)
+        out[key] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return out
+
+
+def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> dict:
+    """Load ``path`` and its ``extends`` bases (base first), merged into one mapping."""
     if path in seen:
         cycle = " → ".join(display_path(p) for p in (*seen, path))
         raise RecipeError(f"recipe extends itself: {cycle}", hint="remove one of the extends: keys")
     data, lines = read_yaml(path)
-    base_cfg = OmegaConf.create({})
+    merged: dict = {}
     base = data.pop(EXTENDS_KEY, None)
     where = f"{display_path(path)}:{lines.get(EXTENDS_KEY, (1, ''))[0]}"
     if base is not None:
@@ -205,21 +216,37 @@ def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> DictC
         if not base_path.is_file():
             raise RecipeError(f"{where}: base recipe not found: {base} (looked at {display_path(base_path)})",
                               hint="extends is resolved relative to the file that names it")
-        base_cfg = _chain(base_path, sources, (*seen, path))
+        merged = _chain(base_path, sources, (*seen, path))
     sources.add_file(path, {k: v for k, v in lines.items() if k != EXTENDS_KEY})
-    try:
-        return OmegaConf.merge(base_cfg, OmegaConf.create(data))
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or ""
-        raise RecipeError(f"{sources.lookup(key) if key else display_path(path)}: cannot merge over the base: {_first_line(err)}",
-                          hint="a key that is a section in the base must stay a section") from None
+    return _merge(merged, data)
 
 
 def _first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def _apply_override(cfg: DictConfig, text: str, sources: SourceMap) -> None:
+def _set_path(data: dict, key: str, value: Any) -> None:
+    """Set dotted ``key`` (list items by index) like ``OmegaConf.update(..., merge=True)``."""
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise IndexError(f"{'.'.join(parts[:i])} has {len(node)} items; no index {part}")
+            idx: Any = int(part)
+        else:
+            idx = part
+            if not last and not isinstance(node.get(idx), (dict, list)):
+                node[idx] = {}
+        if last:
+            old = node[idx] if isinstance(node, list) else node.get(idx)
+            node[idx] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+        else:
+            node = node[idx]
+
+
+def _apply_override(data: dict, text: str, sources: SourceMap) -> None:
     """Apply one ``dotted.key=value`` override (value parsed as YAML)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
@@ -230,11 +257,36 @@ def _apply_override(cfg: DictConfig, text: str, sources: SourceMap) -> None:
         raise RecipeError(f"bad override '{text}': extends cannot be overridden", hint="edit the recipe's extends: line")
     try:
         value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else None
-        OmegaConf.update(cfg, key, value, merge=True)
-    except (yaml.YAMLError, OmegaConfBaseException, ValueError, TypeError, IndexError, KeyError) as err:
+        _set_path(data, key, value)
+    except (yaml.YAMLError, IndexError) as err:
         raise RecipeError(f"bad override '{text}': {_first_line(err)}",
                           hint="check the key path exists (list indices must be in range) and the value is YAML") from None
     sources.add_override(key, value, f"override {text}")
+
+
+def _needs_omegaconf(value: Any) -> bool:
+    """True when a string holds an interpolation (``${...}``) or omegaconf's missing marker ``???``."""
+    if isinstance(value, str):
+        return "${" in value or value == "???"
+    if isinstance(value, dict):
+        return any(_needs_omegaconf(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_needs_omegaconf(v) for v in value)
+    return False
+
+
+def _interpolate(data: dict, sources: SourceMap, file: Path) -> dict:
+    """Resolve ``${...}`` interpolations with omegaconf (imported only when a recipe uses them)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_container(OmegaConf.create(data), resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        key = str(getattr(err, "full_key", None) or "")
+        where = sources.lookup(key) if key else display_path(file)
+        raise RecipeError(f"{where}: cannot resolve {key or 'the recipe'}: {_first_line(err)}",
+                          hint="interpolations look like ${section.key} or ${oc.env:NAME,default}; the target must exist") from None
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:
@@ -246,16 +298,11 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     """
     file = _find(path)
     sources = SourceMap()
-    cfg = _chain(file, sources)
+    data = _chain(file, sources)
     for text in overrides:
-        _apply_override(cfg, text, sources)
-    try:
-        data = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or ""
-        where = sources.lookup(key) if key else display_path(file)
-        raise RecipeError(f"{where}: cannot resolve {key or 'the recipe'}: {_first_line(err)}",
-                          hint="interpolations look like ${section.key}; the target must exist") from None
+        _apply_override(data, text, sources)
+    if _needs_omegaconf(data):
+        data = _interpolate(data, sources, file)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as err:

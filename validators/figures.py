@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from . import derived
-from .cost_model import balance_ratio, propose_layout, stage_costs, unit_costs
+from .cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
 from .layout import LayoutSyntaxError, parse_layout, structure_problems
 from .schema.curriculum import Stage
 from .schema.recipe import Recipe
 
 
 def _pipeline(recipe: Recipe, stage: Stage) -> dict[str, Any]:
-    """PP stage costs (GFLOP per token, forward) of the configured layout, and a proposed balanced layout."""
+    """PP stage costs (GFLOP per token, forward) of the configured layout; a balanced proposal when it is off balance."""
     p, m = recipe.parallel, recipe.model
     units = unit_costs(m, stage.seq_len, stage.phase, recipe.attention.indexer_loss_coeff > 0)
     out: dict[str, Any] = {"pp_stage_gflop_per_token": None, "pp_balance": None, "pp_proposed_layout": None}
@@ -27,7 +27,7 @@ def _pipeline(recipe: Recipe, stage: Stage) -> dict[str, Any]:
     costs = stage_costs(layout, units)
     out["pp_stage_gflop_per_token"] = [round(c / 1e9, 3) for c in costs]
     out["pp_balance"] = round(balance_ratio(costs), 3)
-    if len(costs) > 1:
+    if len(costs) > 1 and out["pp_balance"] > PP_BALANCE_THRESHOLD:
         out["pp_proposed_layout"] = propose_layout(units, len(costs), m.moe.n_hash_layers)
     return out
 

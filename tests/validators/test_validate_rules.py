@@ -1,0 +1,104 @@
+"""Every rule has a failing fixture (only that rule fails or warns) and a passing twin; shipped recipes are clean."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, validate_file
+from v4launch.validators import RULES
+from validator_fixtures import CASES
+
+
+def _statuses(report) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for r in report.all_results:
+        out.setdefault(r.rule_id, set()).add(r.status)
+    return out
+
+
+def test_every_rule_has_cases():
+    assert set(CASES) == set(RULES), "add a (failing, passing) mutation for every rule to validator_fixtures.CASES"
+
+
+def test_base_fixture_is_clean(base_file: Path):
+    report = validate_file(base_file)
+    assert report.ok and not report.warnings
+    statuses = _statuses(report)
+    assert not [rid for rid, s in statuses.items() if s & {"fail", "warn"}]
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_failing_fixture_trips_only_its_rule(rule_id: str, base_file: Path):
+    bad, _ = CASES[rule_id]
+    report = validate_file(base_file, bad)
+    if RULES[rule_id].severity == "error":
+        assert report.failed_rule_ids() == {rule_id}
+        assert not report.ok
+        assert not report.warnings
+    else:
+        assert report.ok and not report.violations
+        assert {w.rule_id for w in report.warnings} == {rule_id}
+    found = (report.violations or report.warnings)[0]
+    assert found.field and found.fix and found.message
+    assert found.source != "-"
+    assert "internal error" not in found.message
+
+
+@pytest.mark.parametrize("rule_id", sorted(CASES))
+def test_passing_twin(rule_id: str, base_file: Path):
+    _, good = CASES[rule_id]
+    report = validate_file(base_file, good)
+    assert report.ok and not report.warnings
+    assert "pass" in _statuses(report)[rule_id], "the twin must exercise the rule, not skip it"
+
+
+def test_violation_names_where_the_value_was_set(base_file: Path):
+    report = validate_file(base_file, ["parallel.tp=2"])
+    (v,) = report.violations
+    assert (v.rule_id, v.field, v.value, v.source) == ("V4-TP-ONE", "parallel.tp", 2, "override parallel.tp=2")
+    report = validate_file(base_file, ["curriculum.stages.3.seq_len=200"])
+    (v,) = report.violations
+    assert v.stage == "sparse_8k" and v.field == "curriculum.stages.3.seq_len"
+    assert v.source.endswith(":") is False and "override" in v.source
+
+
+def test_stage_rules_run_per_stage(base_file: Path):
+    report = validate_file(base_file)
+    assert [s.name for s in report.stages] == ["dense_4k", "warmup_4k", "sparse_4k", "sparse_8k"]
+    cp_rule = {s.name: next(r.status for r in s.results if r.rule_id == "V4-CP-BOUNDARY") for s in report.stages}
+    assert cp_rule == {"dense_4k": "n/a", "warmup_4k": "n/a", "sparse_4k": "n/a", "sparse_8k": "pass"}
+
+
+def test_sm90_dense_loss_names_both_fixes(base_file: Path):
+    (v,) = validate_file(base_file, ["curriculum.stages.1.kernel_backend=null"]).violations
+    assert "indexer_loss=sparse" in v.fix and "kernel_backend=reference" in v.fix
+
+
+def test_balance_violation_proposes_a_layout(base_file: Path):
+    v = validate_file(base_file, ["parallel.pp_layout=Et|t*7mL"]).violations[0]
+    assert "pp_layout=E" in v.fix
+
+
+SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))
+
+
+def test_recipes_shipped():
+    assert {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_16n.yaml", "tiny_cpu.yaml"} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipe_validates_clean(name: str):
+    report = validate_file(RECIPES / name)
+    problems = [f"{v.rule_id} [{v.stage}] {v.field}={v.value!r}: {v.message}" for v in report.violations + report.warnings]
+    assert not problems, f"{name} (tiny_cpu.yaml belongs to the training job; report, do not edit): {problems}"
+
+
+def test_flash_4n_shape():
+    from v4launch.recipe_loading import load_recipe
+
+    r = load_recipe(RECIPES / "flash_4n.yaml").recipe
+    assert (r.cluster.nodes, r.cluster.gpus_per_node, r.cluster.gpu) == (4, 8, "H200")
+    assert (r.parallel.pp, r.parallel.pp_layout, r.parallel.ep) == (4, "Et*10|t*12|t*12|t*9mL", 8)
+    assert [s.seq_len for s in r.curriculum.stages][0] == 65536 and r.curriculum.stages[-1].seq_len == 1048576

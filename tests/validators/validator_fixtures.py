@@ -1,0 +1,82 @@
+"""A small V4 recipe that exercises every rule (PP2, a CP2 stage, SM90 fused kernels) and validates clean.
+
+Each rule test applies one mutation (a dotlist override) to this base and expects exactly
+that rule to fail (or warn), and a passing twin where the rule applies and passes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+BASE: dict[str, Any] = {
+    "name": "fixture",
+    "model": {
+        "vocab_size": 512, "dim": 256, "n_layers": 8,
+        "compress_ratios": [0, 4, 128, 4, 128, 4, 128, 4, 0],
+        "n_heads": 4, "head_dim": 64, "rope_head_dim": 16, "q_lora_rank": 64,
+        "o_groups": 2, "o_lora_rank": 64, "window_size": 64, "max_position_embeddings": 65536,
+        "indexer": {"n_heads": 4, "head_dim": 32, "topk": 16},
+        "moe": {"n_routed_experts": 8, "n_activated_experts": 2, "n_shared_experts": 1, "moe_inter_dim": 128, "n_hash_layers": 1},
+        "mtp": {"depth": 1},
+    },
+    "attention": {"indexer_loss_coeff": 0.01, "kernel_backend": "triton"},
+    "parallel": {"tp": 1, "pp": 2, "pp_layout": "Et*4|t*4mL", "cp": 1, "ep": 2, "micro_batch_size": 1,
+                 "global_batch_size": 8, "distributed_optimizer": True},
+    "precision": {"dtype": "bf16", "fp8_recipe": "none", "keep_fp32_params": False},
+    "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 8},
+    "curriculum": {"stages": [
+        {"name": "dense_4k", "seq_len": 4096, "phase": "dense", "steps": 10},
+        {"name": "warmup_4k", "seq_len": 4096, "phase": "warmup", "kernel_backend": "reference", "steps": 10},
+        {"name": "sparse_4k", "seq_len": 4096, "phase": "sparse", "steps": 10},
+        {"name": "sparse_8k", "seq_len": 8192, "phase": "sparse", "cp": 2, "steps": 10},
+    ]},
+}
+
+# rule id → (failing overrides, passing-twin overrides). The twin is a recipe where the rule
+# applies (not n/a) and passes; [] means the base itself.
+CASES: dict[str, tuple[list[str], list[str]]] = {
+    "V4-WORLD-SIZE": (["cluster.gpus_per_node=7"], []),
+    "V4-EP-EXPERTS": (["model.moe.n_routed_experts=7"], []),
+    "V4-EP-FOLD": (["parallel.ep=8"], ["parallel.ep=4"]),
+    "V4-BATCH": (["parallel.global_batch_size=6"], ["parallel.global_batch_size=12"]),
+    "V4-TP-ONE": (["parallel.tp=2"], []),
+    "V4-RATIOS-LENGTH": (["model.compress_ratios=[0,4,128,4,128,4,128,4]"], []),
+    "V4-OGROUPS": (["model.o_groups=3"], ["model.o_groups=4"]),
+    "V4-RECOMPUTE": (["parallel.recompute_granularity=selective", "parallel.recompute_modules=[core_attn]"],
+                     ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[mla_up_proj]"]),
+    "V4-OFFLOAD-QKV": (["parallel.offload_modules=[qkv_linear]"], ["parallel.offload_modules=[core_attn]"]),
+    "V4-KERNEL-SM90": (["cluster.gpu=cpu"], []),
+    "V4-SM90-DENSE-LOSS": (["curriculum.stages.1.kernel_backend=null"],
+                           ["curriculum.stages.1.kernel_backend=null", "curriculum.stages.1.indexer_loss=sparse"]),
+    "V4-CP-THD": (["parallel.qkv_format=bshd"], []),
+    "V4-CP-CONTIGUOUS": (["parallel.cp_partition=zigzag"], []),
+    "V4-CP-SM": (["cluster.gpu=RTX5090"], ["cluster.gpu=B200"]),
+    "V4-CP-BOUNDARY": (["curriculum.stages.3.seq_len=200"], ["curriculum.stages.3.seq_len=256"]),
+    "V4-CP-DIVISIBLE": (["curriculum.stages.3.seq_len=8191"], []),
+    "V4-CP-MICRO-BATCH": (["parallel.micro_batch_size=2"], []),
+    "V4-PREC-BF16-PINS": (["precision.policy.compressor_gemm=fp8"], []),
+    "V4-PREC-FP32-PINS": (["precision.policy.attn_sink=bf16"], []),
+    "V4-PREC-INDEXER-QK": (["precision.policy.indexer_qk=fp8"], ["precision.policy.indexer_qk=fp8", "attention.indexer_qat=true"]),
+    "V4-PREC-FP32-DISTOPT-PP": (["precision.keep_fp32_params=true"], ["precision.keep_fp32_params=true", "parallel.distributed_optimizer=false"]),
+    "V4-FP8-SM": (["precision.fp8_recipe=mxfp8"], ["precision.fp8_recipe=blockwise"]),
+    "V4-PP-LAYOUT-SYNTAX": (["parallel.pp_layout=Et*4|t*4mX"], []),
+    "V4-PP-LAYOUT": (["parallel.pp_layout=Et*3|t*4mL"], []),
+    "V4-PP-HASH-FIRST": (["model.moe.n_hash_layers=5"], ["model.moe.n_hash_layers=4"]),
+    "V4-PP-BALANCE": (["parallel.pp_layout=Et|t*7mL"], []),
+    "V4-PHASE-INDEXER-LOSS": (["attention.indexer_loss_coeff=0"], []),
+    "V4-PHASE-DENSE-NO-INDEXER": (["curriculum.stages.0.indexer_loss=dense"], []),
+    "V4-PHASE-ORDER": (["curriculum.stages.3.phase=dense"], []),
+    "V4-PHASE-SKIP-WARMUP": (["curriculum.stages.1.phase=sparse"], []),
+    "V4-SOFTMAX-SCALE": (["model.rope.softmax_scale=0.1596"], ["model.rope.softmax_scale=0.125"]),
+    "V4-COMPRESS-ROPE-THETA": (["model.init_from_released=true", "model.rope.compress_rope_theta=40000"],
+                               ["model.init_from_released=true"]),
+    "V4-SEQ-MAXPOS": (["model.max_position_embeddings=4096"], []),
+    "V4-TOPK-VISIBLE": (["model.indexer.topk=2048"], ["model.indexer.topk=1024"]),
+    "V4-VOCAB": (["model.vocab_size=256"], ["model.vocab_size=257"]),
+}
+
+
+def base() -> dict[str, Any]:
+    """A fresh deep copy of the base recipe dict."""
+    return copy.deepcopy(BASE)
