@@ -222,8 +222,8 @@ class Runner:
         p = self.progress
         if self.last_saved is not None and self.last_saved[0] == p.step:
             return self.last_saved[1]
-        groups = {g["name"]: describe_params([(self._names[id(q)], q) for q in g["params"]])
-                  for g in self.opt.param_groups}
+        names = {id(q): n for n, q in self.model.named_parameters()}
+        groups = {g["name"]: describe_params([(names[id(q)], q) for q in g["params"]]) for g in self.opt.param_groups}
         manifest = Manifest.for_recipe(
             self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
             parallel_sizes={"world": self.info.world, "dp": self.info.world, "cp": 1, "pp": 1, "tp": 1, "ep": 1},
@@ -238,10 +238,6 @@ class Runner:
         self.last_saved = (p.step, path)
         self.metrics.event(p.step, "checkpoint", f"checkpoint {path.name} saved", path=str(path))
         return path
-
-    @property
-    def _names(self) -> dict[int, str]:
-        return {id(q): n for n, q in self.model.named_parameters()}
 
     def halt(self, status: str, plan: StagePlan) -> TrainResult:
         """Save (unless this step is already saved) and build the result."""

@@ -103,19 +103,15 @@ def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo)
                      total=means["lm_loss"] + sum(weighted.values()))
 
 
-def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
-               weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> StepStats:
-    """Forward/backward ``accum`` micro-batches, average grads over ranks, clip, step, update router biases.
+def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, weights: LossWeights,
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, float], int, int]:
+    """Forward + backward of each micro-batch with ``total / accum``; gradients accumulate in ``.grad``.
 
-    Args:
-        micro_batches: ``accum`` packed batches (``tokens`` [T], ``labels`` [T], ``cu_seqlens`` [N+1],
-            ``max_seqlen``) on the model's device.
-        accum: micro-batches per step on this rank; every loss term is scaled by 1/accum.
-        grad_clip: global L2 norm clip (0 = no clipping; the norm is still reported).
-        bias_speed: aux-loss-free router bias speed gamma (expert loads summed over ranks first).
+    Returns (sum over micro-batches of each loss name's raw value, micro-batches, real tokens).
+
+    Raises:
+        RuntimeError: the number of micro-batches is not ``accum``.
     """
-    model.train()
     sums: dict[str, float] = {}
     n = tokens = 0
     for mb in micro_batches:
@@ -129,6 +125,23 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         tokens += int(getattr(mb, "num_real_tokens", mb.tokens.numel()))
     if n != accum:
         raise RuntimeError(f"step got {n} micro-batches, expected {accum}")
+    return sums, n, tokens
+
+
+def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
+               weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> StepStats:
+    """Forward/backward ``accum`` micro-batches, average grads over ranks, clip, step, update router biases.
+
+    Args:
+        micro_batches: ``accum`` packed batches (``tokens`` [T], ``labels`` [T], ``cu_seqlens`` [N+1],
+            ``max_seqlen``) on the model's device.
+        accum: micro-batches per step on this rank; every loss term is scaled by 1/accum.
+        grad_clip: global L2 norm clip (0 = no clipping; the norm is still reported).
+        bias_speed: aux-loss-free router bias speed gamma (expert loads summed over ranks first).
+    """
+    model.train()
+    sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
     params = opt.params
     fill_missing_grads(params)
     average_grads(params, info)

@@ -1,0 +1,86 @@
+"""Bad data trains without error; the metrics file has every aux loss; CP > 1 and schedule checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import train_records
+
+from v4launch.errors import ContractViolation
+from v4launch.model import V4Model
+from v4launch.rundir import load_run
+from v4launch.training.job import train
+from v4launch.training.model_adapter import model_args_from_recipe
+from v4launch.training.plan import LRSchedule, plan_curriculum
+
+
+def test_bad_documents_train_without_error(workspace, new_run):
+    bad = workspace / "bad"
+    bad.mkdir()
+    (bad / "empty.txt").write_text("")
+    for i in range(6):
+        (bad / f"short{i}.txt").write_text("ab"[: i % 3])  # shorter than the CSA ratio (and empty)
+    (bad / "long.txt").write_text("def f(x):\n    return x * 2\n" * 40)  # ~1100 bytes > seq_len 64 and 128
+    (bad / "mid.txt").write_text("print('hello world')\n" * 3)
+    run = new_run({"data": {"paths": [str(bad)], "validation_fraction": 0.0}})
+    result = train(run, progress=False)
+    assert result.status == "completed"
+    recs = train_records(run)
+    assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in recs.values())
+
+
+def test_metrics_hold_every_aux_loss_the_model_returns(new_run):
+    run = new_run()
+    train(run, progress=False)
+    recipe = load_run(run).recipe
+    recs = train_records(run)
+    model = V4Model(model_args_from_recipe(recipe), phase="sparse")
+    tokens = torch.randint(0, 256, (64,))
+    out = model(tokens, torch.tensor([0, 64], dtype=torch.int32), 64, tokens.roll(-1))
+    sparse = [r for r in recs.values() if r["phase"] == "sparse"]
+    assert sparse and all(set(r["aux"]) == set(out.aux_losses) for r in sparse)
+    dense = [r for r in recs.values() if r["phase"] == "dense"]
+    assert all(not any(k.startswith("indexer_kl/") for k in r["aux"]) for r in dense)
+    for r in recs.values():
+        assert set(r["aux_sum"]) == {n.split("/")[0] for n in r["aux"]}
+        for key in ("stage", "phase", "step", "tokens", "lr", "lm_loss", "total_loss", "grad_norm", "tokens_per_s",
+                    "elapsed_s"):
+            assert key in r
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["new"] for e in lines if e["kind"] == "event" and e["event"] == "phase"] == ["warmup", "sparse"]
+    assert len([e for e in lines if e["kind"] == "eval"]) == 3
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "kl " in log and "bal " in log and "mtp " in log
+
+
+def test_indexer_kl_falls_during_warmup(new_run):
+    run = new_run({"curriculum": {"stages": [
+        {"name": "dense", "seq_len": 128, "phase": "dense", "steps": 1},
+        {"name": "warm", "seq_len": 128, "phase": "warmup", "steps": 12}]},
+        "attention": {"indexer_loss_coeff": 1.0}})
+    train(run, progress=False)
+    kl = [r["aux_sum"]["indexer_kl"] for r in train_records(run).values() if r["phase"] == "warmup"]
+    assert sum(kl[-3:]) / 3 < sum(kl[:3]) / 3
+
+
+def test_cp_above_one_is_refused_with_the_stage_named(write_recipe):
+    from v4launch.training.recipe_io import load_recipe
+
+    loaded = load_recipe(write_recipe(), ["curriculum.stages.2.cp=2", "cluster.gpus_per_node=2"])
+    with pytest.raises(ContractViolation, match="'sparse'.*context parallelism is not available yet"):
+        plan_curriculum(loaded.recipe, dp=1)
+
+
+def test_tokens_budget_and_lr_schedule(write_recipe):
+    from v4launch.training.recipe_io import load_recipe
+
+    r = load_recipe(write_recipe(), ["curriculum.stages.1.steps=null", "curriculum.stages.1.tokens=300",
+                                     "curriculum.stages.2.lr=1e-3"]).recipe
+    plans = plan_curriculum(r, dp=1)
+    assert [p.steps for p in plans] == [3, 3, 2]  # ceil(300 / (2 * 64)) = 3
+    sched = LRSchedule(r.optimizer, plans)
+    assert sched.lr(0)[0] == pytest.approx(1.5e-3) and sched.lr(1)[0] == pytest.approx(3e-3)
+    assert sched.lr(7)[0] <= 1e-3 and sched.lr(7)[1] == pytest.approx(sched.lr(7)[0] * 2e-2 / 3e-3)
+    assert not sched.decay_started(1) and sched.decay_started(2)
