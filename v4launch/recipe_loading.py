@@ -202,9 +202,6 @@ def _merge(base: dict, child: dict) -> dict:
 
 def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> dict:
     """Load ``path`` and its ``extends`` bases (base first), merged into one mapping."""
-    if path in seen:
-        cycle = " → ".join(display_path(p) for p in (*seen, path))
-        raise RecipeError(f"recipe extends itself: {cycle}", hint="remove one of the extends: keys")
     data, lines = read_yaml(path)
     merged: dict = {}
     base = data.pop(EXTENDS_KEY, None)
@@ -216,6 +213,9 @@ def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> dict:
         if not base_path.is_file():
             raise RecipeError(f"{where}: base recipe not found: {base} (looked at {display_path(base_path)})",
                               hint="extends is resolved relative to the file that names it")
+        if base_path in (*seen, path):
+            cycle = " → ".join(display_path(p) for p in (*seen, path, base_path))
+            raise RecipeError(f"{where}: recipe extends itself: {cycle}", hint="remove one of the extends: keys")
         merged = _chain(base_path, sources, (*seen, path))
     sources.add_file(path, {k: v for k, v in lines.items() if k != EXTENDS_KEY})
     return _merge(merged, data)

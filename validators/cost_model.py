@@ -105,13 +105,20 @@ def balance_ratio(costs: list[float]) -> float:
     return max(costs) / mean if mean > 0 else 1.0
 
 
-def propose_layout(units: dict[str, list[float]], n_stages: int, n_hash: int) -> str:
+PROPOSAL_WORK_LIMIT = 20_000_000
+"""Largest stages × layers² the layout proposal's dynamic programme takes on (real models: < 10⁵)."""
+
+
+def propose_layout(units: dict[str, list[float]], n_stages: int, n_hash: int) -> str | None:
     """Min-max contiguous partition of the decoder layers into ``n_stages`` virtual stages.
 
     E and the hash-routed layers stay on the first stage, every m and L on the last; the
     layers in between are split by dynamic programming to minimise the costliest stage.
+    None when the model is too large for the O(stages · layers²) search.
     """
     t = units["t"]
+    if n_stages * (len(t) + 1) ** 2 > PROPOSAL_WORK_LIMIT:
+        return None
     fixed = min(n_hash, len(t))
     first = sum(units["E"]) + sum(t[:fixed])
     last = sum(units["m"]) + sum(units["L"])

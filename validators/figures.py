@@ -14,7 +14,6 @@ from .schema.recipe import Recipe
 def _pipeline(recipe: Recipe, stage: Stage) -> dict[str, Any]:
     """PP stage costs (GFLOP per token, forward) of the configured layout; a balanced proposal when it is off balance."""
     p, m = recipe.parallel, recipe.model
-    units = unit_costs(m, stage.seq_len, stage.phase, recipe.attention.indexer_loss_coeff > 0)
     out: dict[str, Any] = {"pp_stage_gflop_per_token": None, "pp_balance": None, "pp_proposed_layout": None}
     if p.pp_layout is None:
         return out
@@ -24,6 +23,7 @@ def _pipeline(recipe: Recipe, stage: Stage) -> dict[str, Any]:
         return out
     if structure_problems(layout, p.pp, p.vpp, m.n_layers, m.mtp.depth):
         return out
+    units = unit_costs(m, stage.seq_len, stage.phase, recipe.attention.indexer_loss_coeff > 0)
     costs = stage_costs(layout, units)
     out["pp_stage_gflop_per_token"] = [round(c / 1e9, 3) for c in costs]
     out["pp_balance"] = round(balance_ratio(costs), 3)

@@ -41,8 +41,9 @@ def invoke(args: list[str]) -> tuple[int, str, str, BaseException | None]:
     result = CliRunner().invoke(app, args)
     exc = result.exception
     stderr = result.stderr
+    stderr = " ".join(stderr.split())  # rich folds long stderr lines at 80 columns
     if isinstance(exc, V4LaunchError):
-        return exc.exit_code, result.stdout, stderr + f"error: {exc.message}\nhint: {exc.hint}\n", None
+        return exc.exit_code, result.stdout, stderr + f" error: {exc.message}\nhint: {exc.hint}\n", None
     if exc is not None and not isinstance(exc, SystemExit):
         return result.exit_code, result.stdout, stderr, exc
     _ = report_error  # the real handler; messages are formatted the same way above

@@ -126,8 +126,18 @@ def _stage_lines(stage: StageResult) -> Text:
 
 def render(report: Report, recipe: Any) -> None:
     """Print the human report: header, recipe-wide rules, one block per stage, summary."""
-    c, p = recipe.cluster, recipe.parallel
     con = OUT.console
+    saved = con._width
+    if not con.is_terminal:  # piped output: don't fold the tables at 80 columns
+        con.width = max(con.width, 160)
+    try:
+        _render(report, recipe, con)
+    finally:
+        con._width = saved
+
+
+def _render(report: Report, recipe: Any, con: Any) -> None:
+    c, p = recipe.cluster, recipe.parallel
     shown = display_path(Path(report.path)) if report.path else report.recipe
     con.print(f"[bold]{report.recipe}[/bold] ({shown}) · {c.nodes}×{c.gpus_per_node} {c.gpu}"
               f"{f' (SM{c.sm})' if c.sm else ''} · world {c.world_size} · tp{p.tp} pp{p.pp} vpp{p.vpp} ep{p.ep}"

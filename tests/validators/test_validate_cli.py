@@ -1,0 +1,101 @@
+"""`v4launch validate` / `v4launch explain`: exit codes, report content, JSON, workspace default recipe."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import RECIPES, invoke, write_recipe
+from v4launch.validators import RULES
+from v4launch.workspace import Workspace
+from validator_fixtures import base
+
+
+def test_clean_recipe_exits_0_and_prints_every_rule(in_tmp: Path):
+    code, out, err, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    assert exc is None and code == 0, err
+    assert "OK: 0 violations" in out
+    for stage in ("dense_64k", "warmup_64k", "sparse_64k", "sparse_128k", "sparse_256k", "sparse_1m"):
+        assert f"stage" in out and stage in out
+    for rule_id in RULES:
+        assert rule_id in out
+    assert "n/a" in out and "pass" in out
+    assert "320.0 MiB" in out  # CSA all-gather per layer at 1M (2**20) tokens
+    assert Workspace.current(in_tmp).state()["recipe"] == str((RECIPES / "flash_4n.yaml").resolve())
+
+
+def test_violation_exits_1_with_field_source_and_fix(in_tmp: Path):
+    path = write_recipe(in_tmp, base())
+    code, out, _, exc = invoke(["validate", str(path), "parallel.cp_partition=zigzag"])
+    assert exc is None and code == 1
+    assert "V4-CP-CONTIGUOUS" in out and "parallel.cp_partition = zigzag" in out
+    assert "override parallel.cp_partition=zigzag" in out and "fix:" in out and "FAIL: 1 violation" in out
+
+
+def test_warning_only_exits_0(in_tmp: Path):
+    path = write_recipe(in_tmp, base())
+    code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])
+    assert code == 0 and "warn" in out and "V4-PHASE-SKIP-WARMUP" in out and "1 warning" in out
+
+
+def test_json_report(in_tmp: Path):
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["ok"] is True and data["recipe"] == "flash_4n"
+    assert [s["derived"]["cp"] for s in data["stages"]][:3] == [8, 8, 8]
+    first = data["stages"][0]["results"][0]
+    assert set(first) >= {"rule_id", "status", "field", "value", "source", "note", "violations"}
+    code, out, _, _ = invoke(["validate", str(write_recipe(in_tmp, base())), "parallel.tp=2", "--json"])
+    data = json.loads(out)
+    assert code == 1 and data["ok"] is False and data["violations"][0]["rule_id"] == "V4-TP-ONE"
+    assert data["violations"][0]["source"] == "override parallel.tp=2"
+
+
+def test_unreadable_recipe_exits_2(in_tmp: Path):
+    code, _, err, exc = invoke(["validate", str(in_tmp / "missing.yaml")])
+    assert exc is None and code == 2 and "recipe not found" in err
+    bad = in_tmp / "bad.yaml"
+    bad.write_text("name: x\nparallel: {cpp: 2}\ncurriculum: {stages: [{name: a, seq_len: 8, steps: 1}]}\n")
+    code, out, err, _ = invoke(["validate", str(bad), "--json"])
+    assert code == 2 and "did you mean 'parallel.cp'" in err and json.loads(out)["ok"] is False
+
+
+def test_bad_override_exits_2(in_tmp: Path):
+    code, _, err, _ = invoke(["validate", str(write_recipe(in_tmp, base())), "parallel.cp"])
+    assert code == 2 and "bad override 'parallel.cp'" in err
+
+
+def test_default_recipe_from_workspace(in_tmp: Path):
+    code, _, err, _ = invoke(["validate"])
+    assert code == 2 and "no recipe given" in err
+    path = write_recipe(in_tmp, base())
+    assert invoke(["validate", str(path)])[0] == 0
+    code, out, err, _ = invoke(["validate"])
+    assert code == 0 and "the workspace's recorded recipe" in err and str(path.resolve()) in err
+    # a first positional with '=' that is not a file is an override, not the recipe
+    code, out, err, _ = invoke(["validate", "parallel.tp=2"])
+    assert code == 1 and "V4-TP-ONE" in out and "the workspace's recorded recipe" in err
+
+
+def test_file_with_equals_in_its_name_is_a_recipe(in_tmp: Path):
+    path = write_recipe(in_tmp, base(), "a=b.yaml")
+    code, _, _, _ = invoke(["validate", path.name])
+    assert code == 0
+
+
+def test_explain(in_tmp: Path):
+    code, out, _, _ = invoke(["explain", "V4-CP-BOUNDARY"])
+    rule = RULES["V4-CP-BOUNDARY"]
+    assert code == 0 and rule.statement[:40] in " ".join(out.split()) and "cp_utils.py" in out and "fix:" in out
+    assert invoke(["explain", "cp-boundary"])[0] == 0
+    code, out, err, _ = invoke(["explain", "V4-CP-BOUNDRY"])
+    assert code == 2 and "did you mean V4-CP-BOUNDARY" in err and "V4-TP-ONE" in out
+    code, out, _, _ = invoke(["explain"])
+    assert code == 0 and all(rid in out for rid in RULES)
+    code, out, _, _ = invoke(["explain", "V4-TP-ONE", "--json"])
+    assert json.loads(out)["source"].startswith("Megatron")
+
+
+def test_help_has_examples():
+    code, out, _, _ = invoke(["validate", "--help"])
+    assert code == 0 and "validate recipes/flash_4n.yaml" in out and "Exit 0" in " ".join(out.split())

@@ -1,0 +1,44 @@
+"""House rules for the validator code: small documented rules, described schema fields, bounded file sizes."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from pydantic import BaseModel
+
+from conftest import REPO
+from v4launch.validators import RULES
+from v4launch.validators import schema as schema_pkg
+
+
+@pytest.mark.parametrize("rule_id", sorted(RULES))
+def test_rule_is_small_and_documented(rule_id: str):
+    rule = RULES[rule_id]
+    lines, _ = inspect.getsourcelines(rule.check)
+    start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("def "))
+    assert len(lines) - start <= 30, f"{rule_id}: {len(lines) - start} lines"
+    assert inspect.getdoc(rule.check).splitlines()[0] == rule.statement
+    assert rule.statement and rule.source and rule.fix and rule.fields
+    assert rule.id.startswith("V4-") and rule.severity in ("error", "warning")
+
+
+def _models():
+    for name in dir(schema_pkg):
+        obj = getattr(schema_pkg, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseModel):
+            yield obj
+
+
+@pytest.mark.parametrize("model", list(_models()), ids=lambda m: m.__name__)
+def test_schema_sections_forbid_extra_and_describe_fields(model):
+    assert model.model_config.get("extra") == "forbid"
+    for name, info in model.model_fields.items():
+        assert info.description, f"{model.__name__}.{name} has no description"
+
+
+def test_file_sizes():
+    owned = list((REPO / "validators").rglob("*.py")) + [REPO / "v4launch" / p for p in
+                                                          ("recipe_loading.py", "cli/validate.py", "cli/explain.py")]
+    for path in owned:
+        assert len(path.read_text().splitlines()) <= 400, path
