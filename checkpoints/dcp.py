@@ -26,6 +26,8 @@ import logging
 import os
 import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,14 @@ def _rank() -> int:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+@contextmanager
+def _quiet_no_dist():
+    """DCP warns on every single-process save/load that it assumes one process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _fsync_dir(path: Path) -> None:
@@ -149,7 +159,8 @@ def save_checkpoint(ckpt_root: Path, step: int, states: dict[str, Any], manifest
         _clean_tmp(root)
         tmp.mkdir()
     _barrier()
-    dcp.save(dict(states), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not _distributed())
+    with _quiet_no_dist():
+        dcp.save(dict(states), storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not _distributed())
     _barrier()
     if _rank() == 0:
         _write_manifest(tmp, manifest.replace(complete=True))
@@ -187,7 +198,8 @@ def load_checkpoint(path: Path, states: dict[str, Any]) -> Manifest:
             hint=f"use the newest complete one: {latest_checkpoint(path.parent) or 'none found'}",
         )
     manifest = Manifest.read(path)
-    dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+    with _quiet_no_dist():
+        dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     return manifest
 
 

@@ -1,0 +1,134 @@
+"""check_resume: every refusal, its override, reshard verdicts, and the safe forward phase moves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ckpt_helpers import PARALLEL, groups, manifest_for, tiny_dict
+
+from v4launch.checkpoints import CompatReport, Manifest, check_resume
+from v4launch.validators.schema import Recipe
+
+TOKENIZER = "byte-utf8:v1:vocab=257:eod=256"
+
+
+def run(manifest, recipe, stage=None, phase=None, parallel=None, tokenizer=TOKENIZER, param_groups=None, allow=()):
+    stage = manifest.stage_index if stage is None else stage
+    phase = phase or recipe.curriculum.stages[stage].phase
+    if param_groups is None:
+        param_groups = groups(indexer=phase != "dense")
+    return check_resume(manifest, recipe=recipe, target_stage_index=stage, target_phase=phase,
+                        parallel_sizes=parallel or PARALLEL, tokenizer_fingerprint=tokenizer,
+                        param_groups=param_groups, allow=set(allow))
+
+
+def item(report: CompatReport, aspect: str):
+    (found,) = [i for i in report.items if i.aspect == aspect]
+    return found
+
+
+def with_model(**changes) -> Recipe:
+    d = tiny_dict()
+    d["model"].update(changes)
+    return Recipe.model_validate(d)
+
+
+def test_same_everything_is_safe(recipe):
+    report = run(manifest_for(recipe, 1), recipe)
+    assert report.ok and not report.needs_reshard
+    assert {i.verdict for i in report.items} == {"safe"}
+    json.dumps(report.to_dict())
+    assert report.render().row_count == len(report.items)
+
+
+def test_layer_schedule_change_refused_then_overridden(recipe):
+    m = manifest_for(recipe, 1)
+    changed = with_model(compress_ratios=[0, 4, 4, 4, 0])
+    report = run(m, changed)
+    it = item(report, "layer schedule")
+    assert not report.ok and it.verdict == "refused" and it.override == "--allow-layer-change" and "compress_ratios" in it.reason
+    it = item(run(m, changed, allow={"allow_layer_change"}), "layer schedule")
+    assert it.verdict == "safe" and it.overridden and it.label == "safe (overridden)"
+
+
+def test_phase_regression_refused_then_overridden(recipe):
+    m = manifest_for(recipe, 2)  # sparse
+    report = run(m, recipe, stage=0)  # back to dense_1k
+    assert item(report, "phase").verdict == "refused" and item(report, "stage").verdict == "refused"
+    assert item(report, "phase").override == "--allow-phase-regression"
+    assert run(m, recipe, stage=0, allow={"--allow-phase-regression", "--allow-optimizer-regroup"}).ok
+
+
+def test_optimizer_regroup_refused_then_overridden(recipe):
+    m = manifest_for(recipe, 1)
+    bf16 = groups(indexer=True, dtype=torch.bfloat16)
+    it = item(run(m, recipe, param_groups=bf16), "optimizer groups")
+    assert it.verdict == "refused" and "float32 → bfloat16" in it.reason and it.override == "--allow-optimizer-regroup"
+    moved = groups(indexer=True)
+    moved["adamw"] = dict(moved["adamw"], params={**moved["adamw"]["params"], "extra.bias": "float32"})
+    assert item(run(m, recipe, param_groups=moved), "optimizer groups").verdict == "refused"
+    assert run(m, recipe, param_groups=bf16, allow={"--allow-optimizer-regroup"}).ok
+
+
+def test_optimizer_groups_compared_by_hash_without_names(recipe):
+    def strip(g):
+        return {k: {kk: vv for kk, vv in v.items() if kk != "params"} for k, v in g.items()}
+    m = manifest_for(recipe, 1, param_groups=strip(groups(indexer=True)))
+    assert run(m, recipe, param_groups=strip(groups(indexer=True))).ok
+    assert not run(m, recipe, param_groups=strip(groups(indexer=True, dtype=torch.bfloat16))).ok
+
+
+def test_tokenizer_change_refused_then_overridden(recipe):
+    m = manifest_for(recipe, 1)
+    it = item(run(m, recipe, tokenizer="sentencepiece:v1:vocab=32000"), "tokenizer")
+    assert it.verdict == "refused" and it.override == "--allow-tokenizer-change"
+    assert run(m, recipe, tokenizer="other", allow={"--allow-tokenizer-change"}).ok
+
+
+def test_cold_indexer_refused_for_sparse_but_warmup_is_safe(recipe):
+    dense = manifest_for(recipe, 0)
+    assert not dense.has_indexer
+    to_sparse = run(dense, recipe, stage=2)
+    it = item(to_sparse, "indexer")
+    assert it.verdict == "refused" and it.override == "--allow-cold-indexer"
+    assert run(dense, recipe, stage=2, allow={"--allow-cold-indexer"}).ok
+    to_warmup = run(dense, recipe, stage=1)  # indexer params are new: fresh optimizer state, not a regroup
+    assert to_warmup.ok and "built" in item(to_warmup, "phase").reason
+    assert "new indexer parameters" in item(to_warmup, "optimizer groups").reason
+    warm = manifest_for(recipe, 1)
+    assert run(warm, recipe, stage=2).ok  # warmup -> sparse
+
+
+def test_architecture_change_refused_without_override(recipe):
+    m = manifest_for(recipe, 1)
+    report = run(m, with_model(dim=256), allow=set())
+    it = item(report, "architecture")
+    assert it.verdict == "refused" and it.override is None and "dim: 128 → 256" in it.reason
+    everything = {"--allow-layer-change", "--allow-phase-regression", "--allow-optimizer-regroup",
+                  "--allow-tokenizer-change", "--allow-cold-indexer"}
+    assert not run(m, with_model(dim=256), allow=everything).ok
+    settings_only = run(m, with_model(init_std=0.01))
+    assert settings_only.ok and "init_std" in item(settings_only, "model settings").reason
+
+
+@pytest.mark.parametrize("key", ["dp", "cp", "world", "pp", "ep"])
+def test_parallel_size_changes_are_reshards(recipe, key):
+    report = run(manifest_for(recipe, 1), recipe, parallel={**PARALLEL, key: 2})
+    assert report.ok and report.needs_reshard and item(report, f"parallel.{key}").verdict == "reshard"
+
+
+def test_manifest_json_round_trip_and_bad_input(recipe, tmp_path):
+    m = manifest_for(recipe, 1)
+    assert Manifest.from_dict(json.loads(m.to_json())) == m
+    assert m.indexer_layers == (1, 3) and m.layer_ids == (0, 1, 2, 3, 4) and m.n_mtp_layers == 1
+    with pytest.raises(ValueError, match="unknown override"):
+        run(m, recipe, allow={"--allow-everything"})
+    with pytest.raises(ValueError, match="target_phase"):
+        run(m, recipe, phase="hybrid")
+    from v4launch.checkpoints import CheckpointError
+    with pytest.raises(CheckpointError, match="format_version"):
+        Manifest.from_dict({**m.to_dict(), "format_version": 99})
+    with pytest.raises(CheckpointError, match="unknown"):
+        Manifest.from_dict({**m.to_dict(), "surprise": 1})
