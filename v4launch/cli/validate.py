@@ -95,7 +95,7 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
         style = STYLE[r.status]
         if r.violations:
             for v in r.violations:
-                note = Text(v.message, style=style) + Text(f"\n→ fix: {v.fix}", style="cyan")
+                note = Text(v.message, style=style)
                 table.add_row(Text(r.status, style=style), v.rule_id, Text(f"{v.field} = {_cell(v.value)}"), Text(v.source), note)
         elif r.status == "pass":
             fv = f"{r.field} = {_cell(r.value)}" if r.field else ""
@@ -103,6 +103,13 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
         else:
             table.add_row(Text(r.status, style=style), Text(r.rule_id, style="dim"), "", "", Text(r.note, style="dim"))
     return table
+
+
+def _block(con: Any, results: tuple[RuleResult, ...]) -> None:
+    """One group's table, then the fix of each failed or warned rule on its own line."""
+    con.print(_table(results))
+    for v in (v for r in results for v in r.violations):
+        con.print(Text("  → ", style="cyan") + Text(f"{v.rule_id}: ", style="bold") + Text(f"fix: {v.fix}", style="cyan"))
 
 
 def _stage_lines(stage: StageResult) -> Text:
@@ -143,11 +150,11 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
               f"{f' (SM{c.sm})' if c.sm else ''} · world {c.world_size} · tp{p.tp} pp{p.pp} vpp{p.vpp} ep{p.ep}"
               f"{f' · layout {p.pp_layout}' if p.pp_layout else ''}")
     con.print("\n[bold]recipe-wide rules[/bold]")
-    con.print(_table(report.recipe_results))
+    _block(con, report.recipe_results)
     for stage in report.stages:
         con.print()
         con.print(_stage_lines(stage))
-        con.print(_table(stage.results))
+        _block(con, stage.results)
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
     con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "

@@ -101,8 +101,10 @@ def check_sm90_dense_loss(ctx: Context):
     Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1.
     """
     s, sm = ctx.stage, ctx.sm
-    if sm is None or sm // 10 != 9 or ctx.backend not in FUSED_BACKENDS or 4 not in ctx.all_ratios:
-        return ctx.na("needs SM90, a fused backend and ratio-4 layers")
+    if sm is None or sm // 10 != 9:
+        return ctx.na("not an SM90 target")
+    if ctx.backend not in FUSED_BACKENDS or 4 not in ctx.all_ratios:
+        return ctx.na(f"kernel_backend={ctx.backend}" if 4 in ctx.all_ratios else "no ratio-4 layer")
     if s.phase == "dense" or ctx.recipe.attention.indexer_loss_coeff <= 0:
         return ctx.na("no indexer loss in this stage")
     field = ctx.stage_path("indexer_loss" if s.indexer_loss else "phase")
