@@ -1,0 +1,117 @@
+"""A process killed during a checkpoint save; resume refusals and overrides through the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import losses, train_records
+
+from v4launch.checkpoints import latest_checkpoint
+from v4launch.training.job import train
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import os, sys
+    import v4launch.checkpoints.dcp as dcp
+    real = dcp._write_manifest
+    def dying(directory, manifest):
+        if manifest.step == 4:          # shards are on disk, manifest and rename are not
+            os._exit(9)
+        real(directory, manifest)
+    dcp._write_manifest = dying
+    from v4launch.training.job import train
+    train(sys.argv[1], progress=False)
+""")
+
+
+def test_killed_during_save_leaves_previous_checkpoint_and_resume_picks_it(new_run):
+    ref = new_run()
+    train(ref, progress=False)
+    run = new_run({"checkpointing": {"interval_steps": 2}})
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, str(run)], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    ckpts = run / "checkpoints"
+    assert (ckpts / ".tmp-step_00000004").is_dir()
+    assert latest_checkpoint(ckpts).name == "step_00000003"  # stage-end save of the dense stage
+    result = train(run, progress=False)
+    assert result.status == "completed"
+    # steps 4.. were logged by the killed process too; the resumed ones must match the reference
+    recs = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            recs[rec["step"]] = rec  # later lines (the resumed run) win
+    assert losses(recs) == losses(train_records(ref))
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    """Run ``v4launch ARGS`` in-process; (exit code, stdout + stderr)."""
+    from v4launch.cli import app
+    from v4launch.errors import V4LaunchError
+    from v4launch.cli.common import report_error
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, list(args))
+    text = result.output
+    if isinstance(result.exception, V4LaunchError):
+        return result.exception.exit_code, text + result.exception.message + "\n" + (result.exception.hint or "")
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, text
+
+
+@pytest.fixture
+def stopped_run(new_run):
+    """A run stopped after its dense stage (checkpoint at step 3, phase dense) and one at warm-up step 4."""
+    run = new_run()
+    train(run, max_steps=3, progress=False)
+    return run
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("model.compress_ratios=[0,128,4,0]",), "--allow-layer-change"),
+    (("optimizer.name=adamw",), "--allow-optimizer-regroup"),
+    (("--phase", "sparse"), "--allow-cold-indexer"),
+])
+def test_each_refusal_exits_1_and_names_its_flag_and_the_flag_overrides(stopped_run, args, flag):
+    code, text = _cli("resume", str(stopped_run), *args, "--dry-run")
+    assert code == 1 and flag in text and "refused" in text
+    code, text = _cli("resume", str(stopped_run), *args, flag, "--dry-run")
+    assert code == 0, text
+    assert "overridden" in text
+
+
+def test_phase_regression_refused_then_allowed_and_trained(new_run):
+    run = new_run()
+    train(run, max_steps=4, progress=False)  # checkpoint in warm-up (indexer built)
+    code, text = _cli("resume", str(run), "--stage", "dense", "--dry-run")
+    assert code == 1 and "--allow-phase-regression" in text
+    code, text = _cli("resume", str(run), "--stage", "0", "--allow-phase-regression")
+    assert code == 1 and "--allow-optimizer-regroup" in text  # dropping the indexer also drops its groups
+    code, text = _cli("resume", str(run), "--stage", "0", "--allow-phase-regression", "--allow-optimizer-regroup")
+    assert code == 0, text
+    assert latest_checkpoint(run / "checkpoints").name == "step_00000012"  # 4 done, then all 8 steps again
+    phases = [r["phase"] for _, r in sorted(train_records(run).items())]
+    assert phases == ["dense"] * 3 + ["warmup"] + ["dense"] * 3 + ["warmup"] * 3 + ["sparse"] * 2
+
+
+def test_tokenizer_change_refused_then_allowed(stopped_run):
+    manifest = stopped_run / "checkpoints" / "step_00000003" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["tokenizer"] = "other-tokenizer:v1"
+    manifest.write_text(json.dumps(data))
+    code, text = _cli("resume", str(stopped_run), "--dry-run")
+    assert code == 1 and "--allow-tokenizer-change" in text
+    code, text = _cli("resume", str(stopped_run), "--allow-tokenizer-change", "--dry-run")
+    assert code == 0
+
+
+def test_cold_indexer_override_really_trains_sparse(stopped_run):
+    code, text = _cli("resume", str(stopped_run), "--phase", "sparse", "--allow-cold-indexer")
+    assert code == 0, text
+    recs = train_records(stopped_run)
+    assert [recs[s]["phase"] for s in sorted(recs)] == ["dense"] * 3 + ["sparse"] * 2
+    assert not (stopped_run / "resume.json").exists() and (stopped_run / "resume.done.json").exists()
