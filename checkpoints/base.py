@@ -56,8 +56,11 @@ class CheckpointError(Exception):
 
 
 def recipe_hash(recipe: Recipe) -> str:
-    """sha256 (hex) of the resolved recipe's canonical JSON (sorted keys, no spaces)."""
-    payload = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """sha256 (hex) of the resolved recipe's canonical JSON (sorted keys, no spaces, computed fields left out).
+
+    Equals the hash of ``LoadedRecipe.resolved`` dumped the same way.
+    """
+    payload = json.dumps(recipe.model_dump(mode="json", exclude_computed_fields=True), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
 
 

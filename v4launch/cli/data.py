@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Sequence
+from typing import TYPE_CHECKING, Annotated, Sequence
 
 import typer
 
-from ..errors import RecipeError
 from ..workspace import Workspace
 from .common import OUT, JsonOpt, OverridesArg
+
+if TYPE_CHECKING:
+    from ..validators.schema import Recipe
 
 HELP = "Prepare training data: tokenize the recipe's data source into megatron-core .bin/.idx files."
 EXAMPLES = """Examples:
@@ -27,32 +29,16 @@ RecipeArg = Annotated[str | None, typer.Argument(help="Recipe YAML; default: the
 OutOpt = Annotated[Path | None, typer.Option("--out", help="Dataset prefix to write (PREFIX.train.bin …); default: data.prefix, else the workspace cache.")]
 
 
-def _fallback_load(path: Path, overrides: Sequence[str]) -> Any:
-    from omegaconf import OmegaConf
-    from pydantic import ValidationError
+def load_recipe_for_data(recipe: str | None, overrides: Sequence[str]) -> Recipe:
+    """The ``Recipe`` named (path or shipped name) or the workspace's default, with dotlist overrides.
 
-    from ..validators.schema import Recipe
-
-    try:
-        cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-        resolved = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:  # omegaconf / yaml raise many types
-        raise RecipeError(f"cannot read recipe {path}: {exc}", hint="check the YAML syntax and the overrides") from None
-    try:
-        return Recipe.model_validate(resolved)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise RecipeError(f"recipe {path}: {loc}: {first['msg']} ({exc.error_count()} error(s))",
-                          hint="run `v4launch validate` on it for the full report") from None
-
-
-def load_recipe_for_data(recipe: str | None, overrides: Sequence[str]) -> Any:
-    """The ``Recipe`` named (or the workspace default), with dotlist overrides applied.
+    A first argument containing ``=`` that is not a file is taken as an override.
 
     Raises:
-        RecipeError / UsageError: missing, unreadable or invalid recipe.
+        RecipeError / UsageError: missing, unreadable or invalid recipe; no workspace recipe.
     """
+    from ..recipe_loading import load_recipe
+
     overrides = list(overrides)
     if recipe is not None and "=" in recipe and not Path(recipe).is_file():
         overrides.insert(0, recipe)  # `data prepare key=value`: no recipe named
@@ -60,15 +46,8 @@ def load_recipe_for_data(recipe: str | None, overrides: Sequence[str]) -> Any:
     if recipe is None:
         path = Workspace.current().default_recipe()
         OUT.note(f"using the workspace's recipe {path}")
-    else:
-        path = Path(recipe)
-        if not path.is_file():
-            raise RecipeError(f"recipe {path} does not exist", hint="name an existing YAML file, e.g. recipes/tiny_cpu.yaml")
-    try:
-        from ..recipe_loading import load_recipe  # type: ignore[attr-defined]
-    except ImportError:
-        return _fallback_load(path, overrides)
-    return load_recipe(path, overrides).recipe
+        return load_recipe(path, overrides).recipe
+    return load_recipe(recipe, overrides).recipe
 
 
 @app.command("prepare", help=HELP, epilog=EXAMPLES)
