@@ -42,3 +42,10 @@ def test_file_sizes():
                                                           ("recipe_loading.py", "cli/validate.py", "cli/explain.py")]
     for path in owned:
         assert len(path.read_text().splitlines()) <= 400, path
+
+
+def test_docs_list_every_rule_and_exit_code():
+    text = (REPO / "docs" / "validate.md").read_text()
+    for rule_id, rule in RULES.items():
+        assert f"| `{rule_id}` |" in text, f"docs/validate.md lacks {rule_id}"
+    assert "## README excerpt" in text and "## Exit codes" in text

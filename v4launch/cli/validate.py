@@ -127,7 +127,7 @@ def _stage_lines(stage: StageResult) -> Text:
         parts.append(f"top-k pad {d['topk_padding_waste']} (align {d['topk_alignment']})")
     if d["pp_balance"] is not None:
         costs = "/".join(f"{c:.1f}" for c in d["pp_stage_gflop_per_token"])
-        parts.append(f"PP GFLOP/token {costs} (max/mean {d['pp_balance']:.2f})")
+        parts.append(f"PP GFLOP/token {costs} (max/mean {d['pp_balance']:.3f})")
     return head + Text("\n  " + " · ".join(parts), style="dim")
 
 

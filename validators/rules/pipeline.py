@@ -78,7 +78,7 @@ def check_balance(ctx: Context):
         best = propose_layout(units, len(lay.stages), ctx.model.moe.n_hash_layers)
         fix = None
         if best is not None:
-            fix = f"set parallel.pp_layout={best} (max/mean {balance_ratio(stage_costs(parse_layout(best), units)):.2f} by the cost model)"
+            fix = f"set parallel.pp_layout={best} (max/mean {balance_ratio(stage_costs(parse_layout(best), units)):.3f} by the cost model)"
         return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
-                           f"max/mean stage cost {ratio:.2f} > {PP_BALANCE_THRESHOLD} at seq_len {ctx.seq_len} ({ctx.stage.phase})", fix)
-    return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout, f"max/mean {ratio:.2f}")
+                           f"max/mean stage cost {ratio:.3f} > {PP_BALANCE_THRESHOLD} at seq_len {ctx.seq_len} ({ctx.stage.phase})", fix)
+    return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout, f"max/mean {ratio:.3f}")
