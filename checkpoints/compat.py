@@ -73,14 +73,17 @@ class CompatReport:
 
     @property
     def ok(self) -> bool:
+        """True when no item is refused (overridden items count as safe)."""
         return not self.refused
 
     @property
     def refused(self) -> tuple[CompatItem, ...]:
+        """The refused items, in report order."""
         return tuple(i for i in self.items if i.verdict == "refused")
 
     @property
     def needs_reshard(self) -> bool:
+        """True when a parallel size changed (DCP redistributes the shards on load)."""
         return any(i.verdict == "reshard" for i in self.items)
 
     def to_dict(self) -> dict[str, Any]:

@@ -188,3 +188,8 @@ def test_state_from_another_dataset_or_seed_is_refused(make_dataset):
         PackedBatchLoader(other, 8, 0, 0, 1).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         PackedBatchLoader(prefix, 8, 1, 0, 1).load_state_dict(state)
+
+
+def test_missing_dataset_names_the_prefix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.bin"):
+        PackedBatchLoader(tmp_path / "nothing", 8, 0, 0, 1)

@@ -92,6 +92,7 @@ class PackedBatchLoader:
     Raises:
         ValueError: seq_len, dp_size or micro_batch_size < 1, dp_rank outside [0, dp_size),
             or a dataset with no tokens; the message names the argument.
+        FileNotFoundError: ``prefix``.bin or .idx does not exist.
     """
 
     def __init__(self, prefix: Path | str, seq_len: int, seed: int, dp_rank: int, dp_size: int,
@@ -103,6 +104,10 @@ class PackedBatchLoader:
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank={dp_rank}: must be < dp_size={dp_size}")
         self.prefix = Path(prefix)
+        missing = [f"{self.prefix}.{ext}" for ext in ("bin", "idx") if not Path(f"{self.prefix}.{ext}").is_file()]
+        if missing:
+            raise FileNotFoundError(f"prefix={self.prefix}: no indexed dataset ({', '.join(missing)} missing); "
+                                    "prepare one with `v4launch data prepare`")
         self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
         self.micro_batch_size, self.pad_id, self.shuffle = int(micro_batch_size), int(pad_id), shuffle
         self._ds = megatron_indexed().IndexedDataset(str(self.prefix))
