@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from ..errors import UsageError
-from ..validators import RULES, Rule
-from ..validators.schema_errors import did_you_mean
 from .common import OUT, JsonOpt
+
+if TYPE_CHECKING:  # the rule registry (pydantic schema) loads only when the command runs
+    from ..validators import Rule
 
 HELP = "Describe a contract rule: statement, source, fields read, severity and fix. Without RULE_ID, list every rule."
 EXAMPLES = """Examples:
@@ -26,6 +27,8 @@ RuleArg = Annotated[Optional[str], typer.Argument(help="Rule id, e.g. V4-CP-BOUN
 
 
 def _lookup(text: str) -> Rule | None:
+    from ..validators import RULES
+
     key = text.strip().upper()
     return RULES.get(key) or RULES.get(f"V4-{key}")
 
@@ -36,6 +39,8 @@ def _rule_dict(rule: Rule) -> dict:
 
 
 def _list_rules() -> None:
+    from ..validators import RULES
+
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("rule", "severity", "statement"):
         table.add_column(name, overflow="fold")
@@ -46,6 +51,9 @@ def _list_rules() -> None:
 
 def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
     """Print one rule (or all rules); an unknown id lists every rule and exits 2."""
+    from ..validators import RULES
+    from ..validators.schema_errors import did_you_mean
+
     if rule_id is None:
         if as_json:
             OUT.json([_rule_dict(r) for r in RULES.values()])

@@ -6,17 +6,18 @@ Exit codes: 0 clean (warnings allowed), 1 contract violation, 2 unreadable recip
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from ..errors import RecipeError
-from ..recipe_loading import display_path, load_recipe
-from ..validators import Report, RuleResult, StageResult, validate_recipe
 from ..workspace import Workspace
 from .common import OUT, JsonOpt, OverridesArg
+
+if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
+    from ..validators import Report, RuleResult, StageResult
 
 HELP = (
     "Check a recipe against the DeepSeek-V4 runtime contract, stage by stage, before any GPU time is spent. "
@@ -49,6 +50,9 @@ def _split(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[s
 
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False) -> None:
     """Validate RECIPE (with dotlist overrides) and print the contract report."""
+    from ..recipe_loading import load_recipe
+    from ..validators import validate_recipe
+
     path, extra = _split(recipe, list(overrides or []))
     workspace = Workspace.current()
     if path is None:
@@ -144,6 +148,8 @@ def render(report: Report, recipe: Any) -> None:
 
 
 def _render(report: Report, recipe: Any, con: Any) -> None:
+    from ..recipe_loading import display_path
+
     c, p = recipe.cluster, recipe.parallel
     shown = display_path(Path(report.path)) if report.path else report.recipe
     con.print(f"[bold]{report.recipe}[/bold] ({shown}) · {c.nodes}×{c.gpus_per_node} {c.gpu}"
