@@ -68,7 +68,7 @@ MANAGED_SBATCH_OPTIONS: dict[str, str] = {
     "export": "the submitting environment is exported as a whole",
 }
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # C0, DEL, C1, Unicode line breaks
 _OPTION_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 
 

@@ -9,6 +9,8 @@ a test or a laptop must never fall back to submitit's local executor by accident
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,18 @@ SUBMITIT_DIR = "slurm"
 # Transient sbatch failures worth retrying (controller busy, RPC timeouts: submitit #1659).
 _TRANSIENT = ("Socket timed out", "temporarily unable", "Unable to contact slurm controller",
               "Resource temporarily unavailable", "Zero Bytes were transmitted")
+
+
+# Slurm may deliver --signal up to 60 s early, i.e. while Python is still starting and has no
+# handler yet: USR2's default action would kill the task. The task therefore starts with USR2
+# ignored (inherited through exec) until submitit and the job install their handlers; a notice
+# lost in that window is covered by SIGTERM at the limit, which the job handles the same way.
+_SH_WRAPPER = 'trap "" USR2; exec "$0" "$@"'
+
+
+def python_command() -> str:
+    """The interpreter command each task runs (this Python, behind the USR2-ignoring exec)."""
+    return f"/bin/sh -c {shlex.quote(_SH_WRAPPER)} {shlex.quote(sys.executable)}"
 
 
 class _RenderOnlyExecutor(submitit.SlurmExecutor):
@@ -61,7 +75,8 @@ def render_sbatch(recipe: Any, run_dir: Path, job_name: str) -> str:
         RecipeError: a value that cannot be put into the script safely, or an invalid parameter.
     """
     folder = submitit_folder(run_dir)
-    executor = _configure(_RenderOnlyExecutor(folder=folder, max_num_timeout=0), executor_parameters(recipe, job_name))
+    executor = _configure(_RenderOnlyExecutor(folder=folder, max_num_timeout=0, python=python_command()),
+                          executor_parameters(recipe, job_name))
     return executor._make_submission_file_text(executor._submitit_command_str, uid="dry-run")
 
 
@@ -76,7 +91,8 @@ def make_executor(recipe: Any, run_dir: Path, job_name: str) -> submitit.SlurmEx
     params = executor_parameters(recipe, job_name)
     try:
         # Timeouts are requeued by v4launch itself (restart budget slurm.max_restarts).
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=recipe.slurm.max_restarts)
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=recipe.slurm.max_restarts,
+                                          python=python_command())
     except RuntimeError:
         raise V4LaunchError("Slurm is not available here: `srun` is not on PATH",
                             hint="submit from a Slurm login node, start the dev cluster with "

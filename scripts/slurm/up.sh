@@ -211,7 +211,8 @@ SlurmdPort=6818
 SlurmctldTimeout=30
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=5
+# seconds between SIGTERM and SIGKILL: a v4launch job finishes its step and saves a checkpoint in them
+KillWait=30
 MinJobAge=300
 Waittime=0
 $OVERRIDES

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from .common import OUT
 from .status import RunArg, resolve_run
 
@@ -25,5 +27,6 @@ def cancel(run: RunArg = None) -> None:
     jobs = launcher.live_jobs(run_dir) if hasattr(launcher, "live_jobs") else []
     launcher.cancel(run_dir)
     what = f"Slurm job(s) {', '.join(jobs)}" if jobs else "its processes"
-    OUT.console.print(f"cancelled run {run_dir.name}: asked {what} to checkpoint and stop")
-    OUT.console.print(f"  continue it later with: v4launch resume {run_dir}")
+    OUT.console.print(f"cancelled run {run_dir.name}: asked {what} to checkpoint and stop", markup=False)
+    OUT.console.print(f"  continue it later with: v4launch resume {shlex.quote(str(run_dir))}", markup=False,
+                      soft_wrap=True)

@@ -56,25 +56,29 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.4f}"
+        return f"{value:.3f}"
     return str(value)
 
 
-def _table(run_dir: Path, st: Any) -> Table:
-    table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")
-    for col in ("job", "state", "stage", "phase", "step", "loss", "checkpoint", "restarts", "last event"):
-        table.add_column(col, overflow="fold")
+def _rows(st: Any) -> list[dict[str, Any]]:
     rows = st.detail.get("jobs")
-    if rows is None:  # a local run: one row from the launcher's view
-        ckpt = st.checkpoint.name if st.checkpoint else None
-        rows = [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "local", "state": st.state,
-                 "stage": st.stage, "phase": None, "step": st.step, "loss": None, "checkpoint": ckpt,
-                 "restarts": 0, "detail": ""}]
+    if rows is not None:
+        return rows
+    ckpt = st.checkpoint.name if st.checkpoint else None  # a local run: one row from the launcher's view
+    return [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "local", "state": st.state,
+             "stage": st.stage, "phase": None, "step": st.step, "loss": None, "checkpoint": ckpt,
+             "restarts": 0, "detail": ""}]
+
+
+def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")
+    for col in ("job", "state", "stage", "phase", "step", "loss", "checkpoint", "restarts"):
+        table.add_column(col, no_wrap=True)
     for r in rows:
         style = _STYLE.get(r["state"], "")
         table.add_row(_cell(r["job_id"]), f"[{style}]{r['state']}[/{style}]" if style else r["state"],
                       _cell(r["stage"]), _cell(r["phase"]), _cell(r["step"]), _cell(r["loss"]),
-                      _cell(r["checkpoint"]), _cell(r["restarts"]), _cell(r["detail"])[:80])
+                      _cell(r["checkpoint"]), _cell(r["restarts"]))
     return table
 
 
@@ -88,7 +92,11 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
                   "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None, **st.detail})
     else:
-        OUT.console.print(_table(run_dir, st))
+        rows = _rows(st)
+        OUT.console.print(_table(run_dir, st, rows))
+        for r in rows:
+            if r.get("detail"):
+                OUT.console.print(f"  job {r['job_id']}: {r['detail']}", markup=False, highlight=False)
         restarts = st.detail.get("restarts")
         budget = f"; restarts {restarts} of {st.detail.get('max_restarts')}" if restarts is not None else ""
         OUT.console.print(f"run state: [bold]{st.state}[/bold] (stage {_cell(st.stage)}, step {_cell(st.step)}{budget})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -77,7 +78,8 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
         OUT.json({"run_dir": str(run_dir), "job_id": job_id, "recipe": str(path), "git_sha": rev.sha,
                   "dirty": rev.dirty})
         return
-    OUT.console.print(f"submitted Slurm job [bold]{job_id}[/bold] for run {run_dir}")
+    OUT.console.print(f"submitted Slurm job {job_id} for run {run_dir}", markup=False)
     if rev.dirty:
         OUT.note(f"the source tree is dirty: its diff is saved in {run_dir / 'code.diff'}")
-    OUT.console.print(f"  follow it:  v4launch status {run_dir}   |   v4launch logs {run_dir} --follow")
+    quoted = shlex.quote(str(run_dir))
+    OUT.console.print(f"  v4launch status {quoted}\n  v4launch logs {quoted} --follow", markup=False, soft_wrap=True)

@@ -1,0 +1,65 @@
+"""The requeue protocol on the real dev cluster, with the fast stand-in train: time limit,
+restart budget and cancel. (Real training through `v4launch submit`: test_slurm_train.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from slurm_helpers import cli, diagnostics, finished, events, ledger, queue_empty, signal_job, submit_standin, train_records, wait_for
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+FAST = ["slurm.cpus_per_task=1", "checkpointing.interval_steps=5", "curriculum.stages.1.steps=2",
+        "curriculum.stages.2.steps=2"]
+
+
+def _steps(run_dir):
+    return [r["step"] for r in train_records(run_dir)]
+
+
+def test_time_limit_checkpoints_requeues_and_finishes(workspace):
+    # 1-minute limit, USR2 30 s before it; the stand-in needs ~50 s for stage 0: time-limit requeues.
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=100", "slurm.time_min=1",
+                                   "slurm.signal_delay_s=30", "slurm.max_restarts=10"])
+    wait_for("the run to finish", lambda: finished(run_dir), 420, run_dir)
+    assert events(run_dir, "completed"), diagnostics(run_dir)
+    requeues = events(run_dir, "requeue")
+    assert requeues and "time limit (USR2)" in requeues[0]["detail"], diagnostics(run_dir)
+    steps = _steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, 105))  # nothing skipped
+    for stop in events(run_dir, "signal"):  # checkpointed at the stop: nothing lost, nothing repeated
+        assert steps.count(stop["step"]) == 1 and steps.count(stop["step"] + 1) <= 1, stop
+    assert len(events(run_dir, "submit")) == 3  # one job per stage
+    assert events(run_dir, "restart")
+
+
+def test_restart_budget_stops_a_preemption_loop(workspace):
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=400", "slurm.max_restarts=1"])
+    for n in (1, 2):
+        wait_for(f"attempt {n} to make progress",
+                 lambda: [r for r in train_records(run_dir) if r["restart"] == str(n - 1) and r["step"] >= 2], 240,
+                 run_dir)
+        signal_job(job, "usr2")
+        wait_for(f"attempt {n} to handle the signal", lambda: len(events(run_dir, "signal")) >= n, 120, run_dir)
+    wait_for("the job to leave the queue", lambda: queue_empty(run_dir), 120, run_dir)
+    (exhausted,) = events(run_dir, "budget_exhausted")
+    assert "slurm.max_restarts=1" in exhausted["detail"]
+    status = cli("status", "--json", cwd=workspace)
+    assert status.returncode == 1, status.stderr
+    assert '"state": "failed"' in status.stdout and "RestartBudgetExhausted" in status.stdout
+
+
+def test_cancel_checkpoints_and_stops_every_job(workspace):
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=400"])
+    wait_for("training to start", lambda: len(train_records(run_dir)) >= 3, 240, run_dir)
+    out = cli("cancel", cwd=workspace)
+    assert out.returncode == 0, out.stderr
+    assert f"Slurm job(s) {job}" in out.stdout
+    wait_for("the job to stop", lambda: queue_empty(run_dir), 120, run_dir)
+    (stopped,) = [e for e in events(run_dir, "exit") if "cancelled" in e["detail"]]
+    assert stopped["step"] == _steps(run_dir)[-1]  # checkpointed at the step it stopped on
+    assert not events(run_dir, "requeue")
+    status = cli("status", cwd=workspace)
+    assert status.returncode == 0 and "cancelled" in status.stdout, status.stdout
+    again = cli("cancel", cwd=workspace)
+    assert again.returncode == 1 and "no queued or running" in again.stderr
