@@ -28,7 +28,7 @@ from .args import ModelArgs
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
-from .packing import CompressPlan, Pack, compress_plan, visible_table, window_table
+from .packing import CompressPlan, Pack, compress_plan, entry_range, visible_table
 from .parallel import SINGLE_DEVICE, ContextParallel
 from .rope import RotaryEmbedding, apply_rope
 
@@ -49,14 +49,8 @@ class BatchContext:
     kl_target: KLTarget = "selected"
     chunk_size: int = 256
     cp: ContextParallel = SINGLE_DEVICE
-    _win: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     _plans: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
-
-    def window_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._win is None:
-            self._win = window_table(self.pack, self.window)
-        return self._win
 
     def plan(self, ratio: int) -> CompressPlan:
         if ratio not in self._plans:
@@ -70,21 +64,17 @@ class BatchContext:
         return self._rope[key]
 
 
-def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with a sink over gathered keys (V = K).
+def sink_softmax(logits: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax with a sink in the denominator: ``p = exp(l) / (sum exp(l) + exp(sink))``.
 
-    q [R, H, D], keys [R, N, D], valid [R, N] bool, sink [H] -> (out [R, H, D],
-    logits [R, H, N] scaled, -inf where invalid). ``p = exp(l) / (sum exp(l) + exp(sink))``;
-    the sink logit is not scaled and has no value. Every row needs one valid key.
+    logits [R, H, N] (already scaled), valid [R, N] bool, sink [H] (not scaled, no
+    value vector) -> p [R, H, N], 0 where invalid. Source: ``sparse_attn`` kernel; spec §2.
     """
-    logits = torch.einsum("rhd,rnd->rhn", q, keys) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     s = sink[None, :, None]  # [1, H, 1]
     m = torch.maximum(logits.amax(dim=-1, keepdim=True), s).detach()
     e = (logits - m).exp()
-    p = e / (e.sum(dim=-1, keepdim=True) + (s - m).exp())
-    return torch.einsum("rhn,rnd->rhd", p, keys), logits
+    return e / (e.sum(dim=-1, keepdim=True) + (s - m).exp())
 
 
 class Attention(FP32Pinned):
@@ -134,7 +124,6 @@ class Attention(FP32Pinned):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(linear(x, self.wkv)), cos, sin)  # [T, D]
         kv_acc = ctx.cp.window_kv(kv).to(acc)
-        win_idx, win_valid = ctx.window_table()  # [T, W]
         plan = comp = inp = None
         if self.ratio:
             plan = ctx.plan(self.ratio)
@@ -146,20 +135,35 @@ class Attention(FP32Pinned):
         outs, kl_sum, kl_rows = [], None, 0
         for start in range(0, T, ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, T))
-            keys, valid = kv_acc[win_idx[rows]], win_valid[rows]  # [R, W, D], [R, W]
-            if comp is not None:
-                vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P]
-                if inp is not None:
-                    c_idx, c_valid = select_topk(inp, vis_idx, vis_valid, rows, self.topk)  # [R, k]
-                else:
-                    c_idx, c_valid = vis_idx, vis_valid
-                keys = torch.cat((keys, comp[c_idx]), dim=1)  # [R, W + K, D]
-                valid = torch.cat((valid, c_valid), dim=1)
-            q_rows = q[rows].to(acc)
-            o_rows, logits = sink_attention(q_rows, keys, valid, sink, self.softmax_scale)
+            q_rows = q[rows].to(acc)  # [R, H, D]
+            band, b_valid = _window_band(ctx.pack, rows, self.window_size)  # keys rows band.start .. rows.stop-1
+            kv_band = kv_acc[band]  # [Nb, D], a contiguous slice: one GEMM, no gather
+            logits = [torch.einsum("rhd,nd->rhn", q_rows, kv_band) * self.softmax_scale]  # [R, H, Nb]
+            valid = [b_valid]
+            lo, hi = entry_range(ctx.pack, plan, rows) if comp is not None else (0, 0)
+            chunk_comp = hi > lo  # some query of the chunk sees a compressed entry
+            if chunk_comp:
+                vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P] global entry ids
+                vis_rel = (vis_idx - lo) * vis_valid  # ids relative to comp[lo:hi]
+                if inp is not None:  # CSA with indexer: the top-k selected entries
+                    c_idx, c_valid = select_topk(inp, vis_rel, vis_valid, rows, self.topk, lo, hi)  # [R, k]
+                    c_keys = comp[lo:hi][c_idx]  # [R, k, D]
+                    logits.append(torch.einsum("rhd,rkd->rhk", q_rows, c_keys) * self.softmax_scale)
+                    valid.append(c_valid)
+                else:  # HCA, or CSA in dense mode: every visible entry
+                    c_keys = comp[lo:hi]  # [Nc, D]
+                    logits.append(torch.einsum("rhd,cd->rhc", q_rows, c_keys) * self.softmax_scale)
+                    valid.append(_range_mask(ctx.pack, plan, rows, lo, hi))
+            p = sink_softmax(torch.cat(logits, -1), torch.cat(valid, -1), sink)  # [R, H, Nb (+ K)]
+            nb = kv_band.shape[0]
+            o_rows = torch.einsum("rhn,nd->rhd", p[..., :nb], kv_band)
+            if chunk_comp:
+                eq = "rhk,rkd->rhd" if c_keys.dim() == 3 else "rhc,cd->rhd"
+                o_rows = o_rows + torch.einsum(eq, p[..., nb:], c_keys)
             outs.append(o_rows)
-            if inp is not None:
-                part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp, logits, c_idx, c_valid, vis_idx, vis_valid)
+            if inp is not None and chunk_comp:
+                part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp[lo:hi], logits[1], c_idx, c_valid,
+                                         vis_rel, vis_valid, lo, hi)
                 kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n
         o = apply_rope(torch.cat(outs).to(x.dtype), cos, sin, inverse=True)  # [T, H, D]
         o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H/G * D], contiguous head groups
@@ -173,16 +177,38 @@ class Attention(FP32Pinned):
         return out, kl_sum / max(kl_rows, 1)
 
     def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: torch.Tensor,
-                  logits: torch.Tensor, c_idx, c_valid, vis_idx, vis_valid) -> tuple[torch.Tensor, int]:
-        """KL(teacher || indexer) summed over the chunk's rows (seed 000 §3; seed 004 items 6b, 11)."""
-        W = ctx.window_table()[0].shape[1]
+                  sel_logits: torch.Tensor, c_idx, c_valid, vis_rel, vis_valid, lo: int,
+                  hi: int) -> tuple[torch.Tensor, int]:
+        """KL(teacher || indexer) summed over the chunk's rows (seed 000 §3; seed 004 items 6b, 11).
+
+        comp: entries lo..hi-1 [Nc, D]; ids in c_idx / vis_rel are relative to lo.
+        """
         if ctx.kl_target == "selected":
-            teacher = logits[..., W:]  # [R, H, k] main logits at the selected entries
-            student = Indexer.score_at(inp, rows, c_idx)  # [R, k]
-            return kl_teacher_student(teacher, student, c_valid)
+            student = Indexer.score_at(inp, rows, c_idx + lo)  # [R, k]
+            return kl_teacher_student(sel_logits, student, c_valid)  # teacher: main logits at the selection
         with torch.no_grad():
-            full = torch.einsum("rhd,cd->rhc", q_rows, comp) * self.softmax_scale  # [R, H, C]
-            H, P = full.shape[1], vis_idx.shape[1]
-            teacher = full.gather(2, vis_idx[:, None, :].expand(-1, H, P))  # [R, H, P]
-        student = Indexer.score_all(inp, rows).gather(1, vis_idx)  # [R, P]
+            full = torch.einsum("rhd,cd->rhc", q_rows, comp) * self.softmax_scale  # [R, H, Nc]
+            H, P = full.shape[1], vis_rel.shape[1]
+            teacher = full.gather(2, vis_rel[:, None, :].expand(-1, H, P))  # [R, H, P]
+        student = Indexer.score_all(inp, rows, lo, hi).gather(1, vis_rel)  # [R, P]
         return kl_teacher_student(teacher, student, vis_valid)
+
+
+def _window_band(pack: Pack, rows: slice, window: int) -> tuple[slice, torch.Tensor]:
+    """Keys of a query chunk's windows as one contiguous band of tokens.
+
+    Returns (band slice of token ids, valid [R, Nb]): key j is valid for query t iff
+    t - window < j <= t and j is in t's segment (spec §2 "Sliding window").
+    """
+    b0 = max(0, rows.start - window + 1)
+    t = torch.arange(rows.start, rows.stop, device=pack.pos.device)[:, None]  # [R, 1]
+    j = torch.arange(b0, rows.stop, device=pack.pos.device)[None, :]  # [1, Nb]
+    seg_start = t - pack.pos[rows, None]
+    return slice(b0, rows.stop), (j <= t) & (j > t - window) & (j >= seg_start)
+
+
+def _range_mask(pack: Pack, plan: CompressPlan, rows: slice, lo: int, hi: int) -> torch.Tensor:
+    """[R, hi - lo] bool: entry lo + c is visible to the row (own segment, i < (pos+1)//ratio)."""
+    c = torch.arange(lo, hi, device=pack.pos.device)[None, :]
+    first = plan.seg_offset[pack.seg[rows]][:, None]
+    return (c >= first) & (c < first + plan.n_visible[rows, None])

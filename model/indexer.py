@@ -69,10 +69,10 @@ class Indexer(nn.Module):
         return IndexerInputs(q=q, w=w, keys=self.compressor(x, plan, rope))
 
     @staticmethod
-    def score_all(inp: IndexerInputs, rows: slice) -> torch.Tensor:
-        """Scores of the query rows against every entry of the batch: [R, C] (accumulation dtype)."""
+    def score_all(inp: IndexerInputs, rows: slice, lo: int, hi: int) -> torch.Tensor:
+        """Scores of the query rows against entries lo..hi-1: [R, hi - lo] (accumulation dtype)."""
         acc = acc_dtype(inp.q.dtype)
-        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys.to(acc))  # [R, H_I, C]
+        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys[lo:hi].to(acc))  # [R, H_I, Nc]
         return torch.einsum("rhc,rh->rc", logits.relu(), inp.w[rows])
 
     @staticmethod
@@ -85,18 +85,19 @@ class Indexer(nn.Module):
 
 
 def select_topk(inp: IndexerInputs, vis_idx: torch.Tensor, vis_valid: torch.Tensor, rows: slice,
-                topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                topk: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k visible entries per query row (no gradient: selection is discrete).
 
     Args:
-        vis_idx, vis_valid: [R, P] visible entries of the rows (``packing.visible_table``).
+        vis_idx, vis_valid: [R, P] visible entries of the rows, ids relative to ``lo``;
+            every valid id lies in [0, hi - lo) (``packing.entry_range``).
     Returns:
-        sel_idx [R, k] global entry ids (0 where invalid), sel_valid [R, k] bool, with
+        sel_idx [R, k] entry ids relative to ``lo`` (0 where invalid), sel_valid [R, k] bool, with
         k = min(topk, P); a query with fewer than k visible entries gets invalid slots.
     """
     k = min(topk, vis_idx.shape[1])
     with torch.no_grad():
-        scores = Indexer.score_all(inp, rows).gather(1, vis_idx)  # [R, P]
+        scores = Indexer.score_all(inp, rows, lo, hi).gather(1, vis_idx)  # [R, P]
         scores = scores.masked_fill(~vis_valid, float("-inf"))
         top = scores.topk(k, dim=1).indices  # [R, k] positions in the visible list
     sel_valid = vis_valid.gather(1, top)

@@ -154,6 +154,14 @@ def visible_table(pack: Pack, plan: CompressPlan, rows: slice | None = None) -> 
     return idx * valid, valid
 
 
+def entry_range(pack: Pack, plan: CompressPlan, rows: slice) -> tuple[int, int]:
+    """Global entry ids [lo, hi) that any query in the contiguous ``rows`` may see (host ints)."""
+    first, last = rows.start, rows.stop - 1
+    lo = int(plan.seg_offset[pack.seg[first]])
+    hi = int(plan.seg_offset[pack.seg[last]] + plan.n_visible[last])
+    return lo, max(lo, hi)
+
+
 def shift_in_segment(x: torch.Tensor, pack: Pack, fill: int) -> torch.Tensor:
     """out[t] = x[t+1] if t+1 is in t's segment, else ``fill``. [T] -> [T].
 

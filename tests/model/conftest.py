@@ -63,3 +63,12 @@ def build(args: ModelArgs, phase: str, gen: torch.Generator, dtype=torch.float64
 @pytest.fixture
 def gen() -> torch.Generator:
     return fresh_gen()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls are dominated by thread barriers on a busy 2-core machine: run them on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

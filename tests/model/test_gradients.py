@@ -41,25 +41,30 @@ def test_each_loss_reaches_exactly_its_owners(phase, gen):
     batch = packed_batch(LENGTHS, model.args.vocab_size, gen)
 
     def grads_of(select):
+        """(parameters with a gradient tensor, parameters with a nonzero gradient)."""
         model.zero_grad(set_to_none=True)
         out = model(*batch)
         select(out).backward()
-        return {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        params = list(model.named_parameters())
+        return ({n for n, p in params if p.grad is not None},
+                {n for n, p in params if p.grad is not None and p.grad.abs().sum() > 0})
 
     names = {n for n, _ in model.named_parameters()}
     indexer = {n for n in names if ".indexer." in n}
     mtp = {n for n in names if n.startswith("mtp.")}
-    lm = grads_of(lambda o: o.lm_loss)
-    assert lm == names - indexer - mtp  # every main-model parameter, nothing of the indexer or MTP
-    kl = grads_of(lambda o: sum(v for k, v in o.aux_losses.items() if k.startswith("indexer_kl/")))
-    assert kl == indexer  # the indexer and nothing else, every indexer parameter
-    mtp_loss = grads_of(lambda o: o.aux_losses["mtp/depth_1"])
-    assert mtp <= mtp_loss and not (mtp_loss & indexer)
-    assert {"embed.weight", "head.weight"} <= mtp_loss  # shared embed and head
-    bal = grads_of(lambda o: sum(v for k, v in o.aux_losses.items() if k.startswith("balance/")))
+    main = names - indexer - mtp
+    # an expert that drew no token this step gets a zero gradient tensor (never None)
+    has, nonzero = grads_of(lambda o: o.lm_loss)
+    assert has == main and len(nonzero) > 0.9 * len(main)  # all of the main model, no indexer, no MTP
+    has, nonzero = grads_of(lambda o: sum(v for k, v in o.aux_losses.items() if k.startswith("indexer_kl/")))
+    assert has == indexer and nonzero == indexer  # the indexer and nothing else
+    has, nonzero = grads_of(lambda o: o.aux_losses["mtp/depth_1"])
+    assert mtp <= has and not (has & indexer)
+    assert {"embed.weight", "head.weight"} <= nonzero  # shared embed and head
+    has, nonzero = grads_of(lambda o: sum(v for k, v in o.aux_losses.items() if k.startswith("balance/")))
     gates = {n for n in names if n.endswith(".ffn.gate.weight")}
-    assert gates <= bal  # every router, hash layers included (their P term)
-    assert not (bal & indexer) and "head.weight" not in bal and "norm.weight" not in bal
+    assert gates <= nonzero  # every router, hash layers included (their P term)
+    assert not (has & indexer) and "head.weight" not in has and "norm.weight" not in has
 
 
 def test_router_bias_and_hash_table_are_not_trained(gen):

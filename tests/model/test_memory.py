@@ -1,0 +1,58 @@
+"""Sparse mode memory grows linearly in tokens: no [T, T] or dense [T, H, entries] tensor is kept.
+
+Two measurements at three lengths with a fixed chunk size: the largest tensor any
+operator produces (a dispatch mode), and the bytes autograd saves for backward
+(saved-tensor hooks, deduplicated by storage).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import build, packed_batch, tiny_args
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _measure(model, T, gen):
+    batch = packed_batch([T], model.args.vocab_size, gen)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), LargestTensor() as mode:
+        out = model(*batch)
+    out.lm_loss.backward()
+    return mode.largest, sum(storages.values())
+
+
+def test_sparse_mode_memory_is_linear_in_tokens(gen):
+    args = tiny_args(vocab_size=32, window_size=16, index_topk=4)
+    model = build(args, "sparse", gen, dtype=torch.float32, chunk_size=64)
+    sizes = [_measure(model, T, gen) for T in (512, 1024, 2048)]
+    for (big_a, saved_a), (big_b, saved_b) in zip(sizes, sizes[1:]):
+        assert big_b / big_a < 2.3, sizes  # quadratic would be ~4x per doubling
+        assert saved_b / saved_a < 2.3, sizes
+
+
+def test_measurement_sees_quadratic_dense_teacher(gen):
+    """Control: the warm-up teacher over all visible entries is quadratic in what it saves."""
+    args = tiny_args(vocab_size=32, window_size=16, index_topk=4, n_layers=2, n_mtp_layers=0,
+                     compress_ratios=(4, 4), n_hash_layers=0)
+    model = build(args, "warmup", gen, dtype=torch.float32, chunk_size=64)
+    (_, a), (_, b) = (_measure(model, T, gen) for T in (1024, 2048))
+    assert b / a > 2.5
