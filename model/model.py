@@ -273,6 +273,8 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _init_param(name: str, p: torch.Tensor, std: float, gen: Optional[torch.Generator]) -> None:
+    if p.is_meta:  # shape-only model (e.g. checking a full-size layout): nothing to draw
+        return
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm." in name and leaf == "weight"
     if is_norm or leaf.endswith("_scale"):
