@@ -281,5 +281,7 @@ def _init_param(name: str, p: torch.Tensor, std: float, gen: Optional[torch.Gene
         p.fill_(1.0)
     elif leaf in ("attn_sink", "ape") or leaf.endswith("_base"):
         p.zero_()
-    else:
-        p.normal_(0.0, std, generator=gen)
+    elif gen is None:
+        p.normal_(0.0, std)
+    else:  # seeded draw on the CPU, so it is identical on every device and rank
+        p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))

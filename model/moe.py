@@ -61,8 +61,9 @@ class Gate(FP32Pinned):
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim))
         if self.is_hash:
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + layer_id)
-            table = torch.rand(args.vocab_size, args.n_routed_experts, generator=g).topk(self.topk, dim=1).indices
-            self.register_buffer("tid2eid", table.to(torch.int32))
+            draw = torch.rand(args.vocab_size, args.n_routed_experts, generator=g, device="cpu")
+            table = draw.topk(self.topk, dim=1).indices.to(torch.int32)  # [vocab, K] distinct experts per token
+            self.register_buffer("tid2eid", table.to(self.weight.device))
         else:
             self.register_buffer("bias", torch.zeros(args.n_routed_experts, dtype=torch.float32))
 

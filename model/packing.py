@@ -14,6 +14,7 @@ All tables are index tensors built without Python loops over tokens.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,10 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
         raise _bad("cu_seqlens", cu.tolist(), "must be strictly increasing (no empty segment)",
                    "drop empty segments from the pack")
     longest = int(lengths.max())
+    try:
+        max_seqlen = operator.index(max_seqlen)
+    except TypeError:
+        pass
     if not isinstance(max_seqlen, int) or max_seqlen < longest:
         raise _bad("max_seqlen", max_seqlen, f"must be an int >= the longest segment ({longest})",
                    "pass max(cu_seqlens[1:] - cu_seqlens[:-1]) or the packing capacity")

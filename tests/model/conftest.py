@@ -51,6 +51,7 @@ def packed_batch(lengths, vocab: int, gen: torch.Generator):
 def fresh_gen() -> torch.Generator:
     """A generator with a fresh random seed (printed on failure through the test id)."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    print(f"generator seed: {seed}")  # shown by pytest when the test fails
     return torch.Generator().manual_seed(seed)
 
 
