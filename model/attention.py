@@ -116,6 +116,11 @@ class Attention(FP32Pinned):
         return getattr(self, "indexer", None) is not None
 
     def forward(self, x: torch.Tensor, ctx: BatchContext) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x [T, dim] (after mHC pre-mixing and attn_norm) -> (out [T, dim], KL 0-d or None).
+
+        The KL is None without an indexer; with one it is the mean over queries that
+        have at least one candidate (an explicit zero when the batch has no entry).
+        """
         T, H, D = x.shape[0], self.n_heads, self.head_dim
         acc = acc_dtype(x.dtype)
         cos, sin = ctx.cos_sin(self.rope, x.dtype)  # [T, rd/2]
@@ -123,7 +128,7 @@ class Attention(FP32Pinned):
         q = rms_unweighted(linear(qr, self.wq_b).unflatten(-1, (H, D)), self.eps)  # [T, H, D]
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(linear(x, self.wkv)), cos, sin)  # [T, D]
-        kv_acc = ctx.cp.window_kv(kv).to(acc)
+        kv = ctx.cp.window_kv(kv).to(acc)
         plan = comp = inp = None
         if self.ratio:
             plan = ctx.plan(self.ratio)
@@ -131,41 +136,14 @@ class Attention(FP32Pinned):
                 comp = ctx.cp.compressed(self.compressor(x, plan, self.rope)).to(acc)  # [C, D]
                 if self.has_indexer:
                     inp = self.indexer.prepare(x, qr, ctx.pack.pos, plan, self.rope)
-        sink = self.attn_sink.to(acc)
         outs, kl_sum, kl_rows = [], None, 0
         for start in range(0, T, ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, T))
-            q_rows = q[rows].to(acc)  # [R, H, D]
-            band, b_valid = _window_band(ctx.pack, rows, self.window_size)  # keys rows band.start .. rows.stop-1
-            kv_band = kv_acc[band]  # [Nb, D], a contiguous slice: one GEMM, no gather
-            logits = [torch.einsum("rhd,nd->rhn", q_rows, kv_band) * self.softmax_scale]  # [R, H, Nb]
-            valid = [b_valid]
-            lo, hi = entry_range(ctx.pack, plan, rows) if comp is not None else (0, 0)
-            chunk_comp = hi > lo  # some query of the chunk sees a compressed entry
-            if chunk_comp:
-                vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P] global entry ids
-                vis_rel = (vis_idx - lo) * vis_valid  # ids relative to comp[lo:hi]
-                if inp is not None:  # CSA with indexer: the top-k selected entries
-                    c_idx, c_valid = select_topk(inp, vis_rel, vis_valid, rows, self.topk, lo, hi)  # [R, k]
-                    c_keys = comp[lo:hi][c_idx]  # [R, k, D]
-                    logits.append(torch.einsum("rhd,rkd->rhk", q_rows, c_keys) * self.softmax_scale)
-                    valid.append(c_valid)
-                else:  # HCA, or CSA in dense mode: every visible entry
-                    c_keys = comp[lo:hi]  # [Nc, D]
-                    logits.append(torch.einsum("rhd,cd->rhc", q_rows, c_keys) * self.softmax_scale)
-                    valid.append(_range_mask(ctx.pack, plan, rows, lo, hi))
-            p = sink_softmax(torch.cat(logits, -1), torch.cat(valid, -1), sink)  # [R, H, Nb (+ K)]
-            nb = kv_band.shape[0]
-            o_rows = torch.einsum("rhn,nd->rhd", p[..., :nb], kv_band)
-            if chunk_comp:
-                eq = "rhk,rkd->rhd" if c_keys.dim() == 3 else "rhc,cd->rhd"
-                o_rows = o_rows + torch.einsum(eq, p[..., nb:], c_keys)
+            o_rows, part, n = self._attend_chunk(ctx, rows, q[rows].to(acc), kv, plan, comp, inp)
             outs.append(o_rows)
-            if inp is not None and chunk_comp:
-                part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp[lo:hi], logits[1], c_idx, c_valid,
-                                         vis_rel, vis_valid, lo, hi)
+            if part is not None:
                 kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n
-        o = apply_rope(torch.cat(outs).to(x.dtype), cos, sin, inverse=True)  # [T, H, D]
+        o = apply_rope(torch.cat(outs).to(x.dtype), cos, sin, inverse=True)  # [T, H, D], de-rotated at t
         o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H/G * D], contiguous head groups
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H/G * D]
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)  # [T, G * o_lora_rank]
@@ -175,6 +153,39 @@ class Attention(FP32Pinned):
         if kl_sum is None:  # no compressed entry in this batch: an explicit zero
             kl_sum = sum(p.sum() for p in self.indexer.parameters()) * 0.0
         return out, kl_sum / max(kl_rows, 1)
+
+    def _attend_chunk(self, ctx: BatchContext, rows: slice, q_rows: torch.Tensor, kv: torch.Tensor,
+                      plan: Optional[CompressPlan], comp: Optional[torch.Tensor], inp):
+        """One query chunk: q_rows [R, H, D] -> (o [R, H, D], KL sum or None, KL rows)."""
+        scale = self.softmax_scale
+        band, b_valid = _window_band(ctx.pack, rows, self.window_size)
+        kv_band = kv[band]  # [Nb, D], a contiguous slice: one GEMM, no gather
+        logits, valid = [torch.einsum("rhd,nd->rhn", q_rows, kv_band) * scale], [b_valid]  # [R, H, Nb]
+        lo, hi = entry_range(ctx.pack, plan, rows) if comp is not None else (0, 0)
+        if hi > lo:  # some query of the chunk sees a compressed entry
+            vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P] global entry ids
+            vis_rel = (vis_idx - lo) * vis_valid  # ids relative to comp[lo:hi]
+            if inp is not None:  # CSA with indexer: the top-k selected entries
+                c_idx, c_valid = select_topk(inp, vis_rel, vis_valid, rows, self.topk, lo, hi)  # [R, k]
+                c_keys = comp[lo:hi][c_idx]  # [R, k, D]
+                logits.append(torch.einsum("rhd,rkd->rhk", q_rows, c_keys) * scale)
+                valid.append(c_valid)
+            else:  # HCA, or CSA in dense mode: every visible entry
+                c_keys = comp[lo:hi]  # [Nc, D]
+                logits.append(torch.einsum("rhd,cd->rhc", q_rows, c_keys) * scale)
+                valid.append(_range_mask(ctx.pack, plan, rows, lo, hi))
+        p = sink_softmax(torch.cat(logits, -1), torch.cat(valid, -1), self.attn_sink.to(q_rows.dtype))
+        nb = kv_band.shape[0]
+        o_rows = torch.einsum("rhn,nd->rhd", p[..., :nb], kv_band)  # [R, H, D]
+        if hi <= lo:
+            return o_rows, None, 0
+        eq = "rhk,rkd->rhd" if c_keys.dim() == 3 else "rhc,cd->rhd"
+        o_rows = o_rows + torch.einsum(eq, p[..., nb:], c_keys)
+        if inp is None:
+            return o_rows, None, 0
+        part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp[lo:hi], logits[1], c_idx, c_valid,
+                                 vis_rel, vis_valid, lo, hi)
+        return o_rows, part, n
 
     def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: torch.Tensor,
                   sel_logits: torch.Tensor, c_idx, c_valid, vis_rel, vis_valid, lo: int,

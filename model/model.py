@@ -25,7 +25,7 @@ from .indexer import Indexer
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
-from .packing import Pack, check_labels, make_pack, shift_in_segment
+from .packing import Pack, check_ids, make_pack, shift_in_segment
 from .parallel import SINGLE_DEVICE, ContextParallel
 
 Phase = Literal["dense", "warmup", "sparse"]
@@ -209,8 +209,7 @@ class V4Model(FP32Pinned):
         Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels.
         """
         pack = make_pack(tokens, cu_seqlens, max_seqlen)
-        if labels is not None:
-            check_labels(labels, pack.n_tokens)
+        check_ids(tokens, labels, self.args.vocab_size)
         ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
                            self.chunk_size, self.cp)
         h = self.embed(tokens)  # [T, dim]

@@ -86,12 +86,22 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
     return Pack(cu=cu, lengths=lengths, seg=seg, pos=pos, n_tokens=T, max_seqlen=max_seqlen)
 
 
-def check_labels(labels: torch.Tensor, n_tokens: int) -> None:
-    """Raise ValueError unless ``labels`` is an integer tensor [T] (-100 = ignore)."""
+def check_ids(tokens: torch.Tensor, labels: torch.Tensor | None, vocab_size: int) -> None:
+    """Raise ValueError unless tokens are in [0, vocab) and labels are [T] integers in [0, vocab) or -100."""
+    n_tokens = tokens.numel()
+    if n_tokens and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise _bad("tokens", f"range [{int(tokens.min())}, {int(tokens.max())}]", f"ids must be in [0, {vocab_size})",
+                   "check the tokenizer against ModelArgs.vocab_size")
+    if labels is None:
+        return
     if not isinstance(labels, torch.Tensor) or labels.shape != (n_tokens,) or labels.is_floating_point():
         desc = (labels.dtype, tuple(labels.shape)) if isinstance(labels, torch.Tensor) else labels
         raise _bad("labels", desc, f"must be an integer tensor of shape ({n_tokens},) like tokens",
                    "set labels[t] = tokens[t+1] inside a segment and -100 at each segment's last token and padding")
+    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        raise _bad("labels", f"value {int(labels[bad][0])}", f"must be -100 (ignore) or in [0, {vocab_size})",
+                   "use -100 for ignored positions")
 
 
 def window_table(pack: Pack, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,10 @@ def test_bad_tokens_labels_and_phase():
         m(torch.zeros(1, 5, dtype=torch.long), torch.tensor([0, 5]), 5)
     with pytest.raises(ValueError, match="labels"):
         m(torch.zeros(5, dtype=torch.long), torch.tensor([0, 5]), 5, torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels=value 99"):
+        m(torch.zeros(5, dtype=torch.long), torch.tensor([0, 5]), 5, torch.full((5,), 99))
+    with pytest.raises(ValueError, match="tokens=range"):
+        m(torch.full((5,), 61), torch.tensor([0, 5]), 5)
     with pytest.raises(ValueError, match="phase='spars'"):
         V4Model(tiny_args(), "spars")
     with pytest.raises(ValueError, match="phase='bogus'"):
