@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-import time
 from pathlib import Path
 
 from ..rundir import consume_resume_request, load_run, read_resume_request
@@ -127,8 +126,3 @@ def _loop(runner: Runner, stop: threading.Event, stop_after_stage: bool, max_ste
         if stop_after_stage and p.stage_index + 1 < len(runner.plans):
             return runner.halt("stage_completed", plan)
     return runner.halt("completed", runner.plans[min(p.stage_index, len(runner.plans) - 1)])
-
-
-def wall_clock() -> float:
-    """Monotonic seconds (one place, so tests can reason about elapsed time)."""
-    return time.monotonic()

@@ -200,7 +200,7 @@ class Runner:
                "total_loss": stats.total, "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(dt, 1e-9),
                "step_time_s": dt, "elapsed_s": p.elapsed_s}
         interval = self.recipe.logging.interval_steps
-        show = p.step % interval == 0 or p.step_in_stage == plan.steps or p.step == self.first_step + 1
+        show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
 
     def finish_stage(self, plan: StagePlan) -> None:
