@@ -1,64 +1,11 @@
-"""Shared fixtures for the model tests: tiny V4-shaped args, random parameters, packed batches."""
+"""Shared fixtures for the model tests (helpers live in v4_helpers.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from v4launch.model import ModelArgs, V4Model
-
-
-def tiny_args(**changes) -> ModelArgs:
-    """4 decoder layers (hash+SWA, CSA, HCA, CSA) + 1 MTP layer (SWA), every feature on."""
-    base = dict(vocab_size=61, dim=32, n_layers=4, n_mtp_layers=1, compress_ratios=(0, 4, 128, 4, 0),
-                n_heads=4, head_dim=16, rope_head_dim=8, q_lora_rank=24, o_groups=2, o_lora_rank=12,
-                window_size=8, index_n_heads=8, index_head_dim=16, index_topk=3, use_hadamard=True,
-                original_seq_len=64, rope_factor=4.0, n_routed_experts=4, n_activated_experts=2,
-                n_shared_experts=1, moe_inter_dim=24, route_scale=1.5, n_hash_layers=1, swiglu_limit=1.5,
-                hc_mult=2, hc_sinkhorn_iters=20, init_std=0.2)
-    base.update(changes)
-    return ModelArgs(**base)
-
-
-@torch.no_grad()
-def randomize(module: torch.nn.Module, gen: torch.Generator, std: float = 0.3) -> None:
-    """Draw every floating parameter/buffer at random (norm weights around 1, biases small)."""
-    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if not t.is_floating_point():
-            continue
-        noise = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype)
-        leaf = name.rsplit(".", 1)[-1]
-        if ("norm." in name and leaf == "weight") or leaf.endswith("_scale"):
-            t.copy_(1 + 0.2 * noise)
-        elif leaf in ("bias", "attn_sink") or leaf.endswith("_base"):
-            t.copy_(0.5 * noise)
-        elif leaf == "ape":
-            t.copy_(noise)
-        else:
-            t.copy_(std * noise)
-
-
-def packed_batch(lengths, vocab: int, gen: torch.Generator):
-    """tokens [T], cu_seqlens int32 [N+1], max_seqlen, labels [T] (next token, -100 at segment ends)."""
-    T = sum(lengths)
-    tokens = torch.randint(0, vocab, (T,), generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-    labels = torch.cat([tokens[1:], tokens.new_full((1,), -100)])
-    labels[cu[1:].long() - 1] = -100
-    return tokens, cu, max(lengths), labels
-
-
-def fresh_gen() -> torch.Generator:
-    """A generator with a fresh random seed (printed on failure through the test id)."""
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    print(f"generator seed: {seed}")  # shown by pytest when the test fails
-    return torch.Generator().manual_seed(seed)
-
-
-def build(args: ModelArgs, phase: str, gen: torch.Generator, dtype=torch.float64, **kw) -> V4Model:
-    model = V4Model(args, phase, **kw).to(dtype)
-    randomize(model, gen)
-    return model
+from v4_helpers import fresh_gen
 
 
 @pytest.fixture

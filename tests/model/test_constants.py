@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from conftest import randomize, tiny_args
+from v4_helpers import randomize, tiny_args
 from v4launch.model import ModelArgs
 from v4launch.model.attention import Attention, BatchContext
 from v4launch.model.compressor import Compressor, hadamard_matrix

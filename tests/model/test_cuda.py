@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build, fresh_gen, packed_batch, tiny_args
+from v4_helpers import build, fresh_gen, packed_batch, tiny_args
 from v4launch.model import V4Model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build, packed_batch, tiny_args
+from v4_helpers import build, packed_batch, tiny_args
 
 LENGTHS = [3, 70, 141]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import build, packed_batch, tiny_args
+from v4_helpers import build, packed_batch, tiny_args
 
 
 class LargestTensor(TorchDispatchMode):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import build, packed_batch, tiny_args
+from v4_helpers import build, packed_batch, tiny_args
 from v4launch.model import V4Model
 from v4launch.model.moe import Expert, sequence_balance_loss
 

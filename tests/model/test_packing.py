@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build, packed_batch, tiny_args
+from v4_helpers import build, packed_batch, tiny_args
 from v4launch.model import V4Model
 from v4launch.model.packing import compress_plan, make_pack, shift_in_segment, visible_table, window_table
 

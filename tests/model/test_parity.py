@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import v4_reference as ref
-from conftest import build, fresh_gen, packed_batch, randomize, tiny_args
+from v4_helpers import build, fresh_gen, packed_batch, randomize, tiny_args
 from v4launch.model.attention import Attention, BatchContext
 from v4launch.model.packing import make_pack
 

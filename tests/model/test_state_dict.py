@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import packed_batch, tiny_args
+from v4_helpers import packed_batch, tiny_args
 from v4launch.model import ModelArgs, V4Model
 
 FLASH_CONFIG = {  # the released V4-Flash config.json (April release), HF key style
