@@ -33,7 +33,7 @@ from submitit.core.utils import DelayedSubmission
 
 from . import ledger, query
 from .rendezvous import rendezvous_env
-from .states import after_stop, on_start
+from .states import after_stop, on_start, requeue_outcome
 
 DEFAULT_ENTRY = "v4launch.training.job:train"
 """The training function a job calls: ``module:function`` or ``/path/file.py:function``."""
@@ -80,8 +80,8 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
         run_dir = Path(self.run_dir)
         recipe = _frozen_recipe(run_dir)
         os.environ.update(rendezvous_env(os.environ, recipe.slurm.master_port))
-        if rank == 0:
-            self._record_start(run_dir, job_id, recipe)
+        if not self._record_start(run_dir, job_id, recipe, rank):
+            return {"status": "not run", "detail": "this job had already ended"}
         stop, caught = threading.Event(), []
         previous = _install_handlers(stop, caught)  # kept until the job returns: a late signal only sets stop
         try:
@@ -102,12 +102,17 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
         return result.to_json()
 
     # ------------------------------------------------------------------ rank 0
-    def _record_start(self, run_dir: Path, job_id: str, recipe: Any) -> None:
+    def _record_start(self, run_dir: Path, job_id: str, recipe: Any, rank: int) -> bool:
+        """Ledger the (re)start (rank 0); False when this job must not train (it had already ended)."""
         events = ledger.read(run_dir)
         for event, detail in on_start(query.restart_count(), events, job_id, recipe.slurm.max_restarts):
-            ledger.append(run_dir, job_id, event, detail=detail or f"host {os.uname().nodename}")
+            if rank == 0:
+                ledger.append(run_dir, job_id, event, detail=detail or f"host {os.uname().nodename}")
             if event == "budget_exhausted":
                 raise RestartBudgetExhausted(detail)
+            if event == "exit":
+                return False
+        return True
 
     def _after_train(self, run_dir: Path, job_id: str, recipe: Any, result: Any, signal_name: str) -> None:
         where = {"stage": result.stage_index, "step": result.step}
@@ -128,15 +133,14 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
     def _after_stop(self, run_dir: Path, job_id: str, recipe: Any, signal_name: str, where: dict, ckpt: str) -> None:
         events = ledger.read(run_dir)
         ledger.append(run_dir, job_id, "signal", detail=f"{signal_name}: stopped after the step; {ckpt}", **where)
-        decision = after_stop(signal_name, query.controller_state(job_id), ledger.restarts_used(events),
-                              recipe.slurm.max_restarts, cancel=ledger.cancel_requested(events, job_id),
+        state = query.controller_state(job_id)
+        decision = after_stop(signal_name, state, ledger.restarts_used(events), recipe.slurm.max_restarts,
+                              cancel=ledger.cancel_requested(events, job_id),
                               time_left_s=query.time_left_s(job_id), signal_delay_s=recipe.slurm.signal_delay_s)
-        ledger.append(run_dir, job_id, decision.event, detail=decision.detail, **where)
         if decision.action == "requeue":
-            error = query.requeue(job_id)
-            if error:
-                ledger.append(run_dir, job_id, "exit", detail=f"scontrol requeue failed: {error}", **where)
-        elif decision.event == "budget_exhausted":
+            decision = requeue_outcome(decision, query.requeue(job_id))
+        ledger.append(run_dir, job_id, decision.event, detail=f"{decision.detail} [Slurm state {state}]", **where)
+        if decision.event == "budget_exhausted":
             raise RestartBudgetExhausted(decision.detail)
 
     def _submit_next_stage(self, run_dir: Path, job_id: str, recipe: Any, stage_index: int) -> None:

@@ -43,14 +43,15 @@ def job_state(slurm_state: str | None, events: Iterable[Event]) -> str:
     state = normalise(slurm_state)
     mine = list(events)
     last = mine[-1].event if mine else None
-    if state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED") or (state == "PENDING" and last == "requeue"):
+    if state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED") or (state in LIVE and last == "requeue"):
         return "requeued"
     if state == "PENDING":
         return "pending"
+    if last in TERMINAL_EVENTS:  # the job said how it ended (it may still be exiting): trust it
+        cancelled = last == "exit" and (state == "CANCELLED" or mine[-1].detail.startswith("cancelled"))
+        return "cancelled" if cancelled else TERMINAL_EVENTS[last]
     if state in LIVE:
         return "running"
-    if last in TERMINAL_EVENTS:  # the job said how it ended: trust it over the exit code
-        return TERMINAL_EVENTS[last]
     if last == "requeue":
         return "requeued"
     if state == "COMPLETED":
@@ -121,12 +122,16 @@ def on_start(restart_count: int, events: list[Event], job_id: str, max_restarts:
         events: the run's ledger so far.
 
     Returns:
-        ``(event, detail)`` pairs to append, in order; a ``budget_exhausted`` pair means: do not train.
+        ``(event, detail)`` pairs to append, in order; a ``budget_exhausted`` or ``exit`` pair means:
+        do not train.
     """
     if restart_count == 0:
         return [("start", "")]
     out: list[tuple[str, str]] = []
     mine = [e for e in events if e.job_id == str(job_id)]
+    ended = [e for e in mine if e.event in ("stage_completed", "completed", "exit", "failed", "budget_exhausted")]
+    if ended:  # `scontrol requeue` also re-runs finished jobs: never train a run twice at once
+        return [("exit", f"requeued after it had ended ({ended[-1].event}): not training again")]
     if not mine or mine[-1].event != "requeue":  # killed without our handler running (node failure, SIGKILL)
         out.append(("requeue", "requeued by Slurm without a checkpoint signal (node failure or kill)"))
     used = sum(1 for e in events if e.event == "requeue") + len(out)
@@ -135,6 +140,16 @@ def on_start(restart_count: int, events: list[Event], job_id: str, max_restarts:
         return out
     out.append(("restart", f"restart {restart_count} (Slurm), {used} of {max_restarts} used by the run"))
     return out
+
+
+def requeue_outcome(decision: Decision, error: str | None) -> Decision:
+    """The ledger entry after ``scontrol requeue``: done, already done by Slurm (a requeue or
+    preemption in progress answers "pending execution"), or failed (the run stops here)."""
+    if error is None:
+        return decision
+    if "pending execution" in error.lower():
+        return Decision("leave", "requeue", decision.detail.replace("requeued", "requeued by Slurm", 1))
+    return Decision("exit", "exit", f"{decision.detail.split(':')[0]}: scontrol requeue failed: {error}")
 
 
 _TIME = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")

@@ -20,7 +20,7 @@ STANDIN = f"{Path(__file__).with_name('standin_train.py')}:train"
 # Small enough to run a few real steps a minute on 2 shared CPU cores.
 QUICK = ["curriculum.stages.0.seq_len=256", "curriculum.stages.1.seq_len=256", "curriculum.stages.2.seq_len=256",
          "parallel.global_batch_size=1", "data.max_documents=50", "checkpointing.interval_steps=2",
-         "run.threads=1", "logging.tensorboard=false", "slurm.cpus_per_task=1", "slurm.time_min=20"]
+         "run.threads=1", "logging.tensorboard=false", "logging.interval_steps=1", "slurm.cpus_per_task=1", "slurm.time_min=20"]
 
 
 def _ok(cmd: list[str]) -> subprocess.CompletedProcess | None:
@@ -100,8 +100,8 @@ def queue_empty(run_dir: Path) -> bool:
 
 
 def finished(run_dir: Path) -> bool:
-    """The run completed, or none of its jobs is queued any more (it ended some other way)."""
-    return bool(events(run_dir, "completed")) or (bool(ledger(run_dir)) and queue_empty(run_dir))
+    """None of the run's jobs is queued or running any more (however the run ended)."""
+    return bool(ledger(run_dir)) and queue_empty(run_dir)
 
 
 def signal_job(job_id: str, how: str) -> None:

@@ -60,6 +60,6 @@ def test_cancel_checkpoints_and_stops_every_job(workspace):
     assert stopped["step"] == _steps(run_dir)[-1]  # checkpointed at the step it stopped on
     assert not events(run_dir, "requeue")
     status = cli("status", cwd=workspace)
-    assert status.returncode == 0 and "cancelled" in status.stdout, status.stdout
+    assert status.returncode == 0 and "run state: cancelled" in status.stdout, status.stdout
     again = cli("cancel", cwd=workspace)
     assert again.returncode == 1 and "no queued or running" in again.stderr
