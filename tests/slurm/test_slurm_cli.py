@@ -1,0 +1,124 @@
+"""`v4launch submit --dry-run`, refusals, and status / logs / cancel without a cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from v4launch.errors import RefusedError
+from v4launch.slurm.submit import check_clean, code_revision
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
+V4LAUNCH = str(Path(sys.executable).with_name("v4launch"))
+
+
+def cli(*args, cwd, path=None):
+    env = dict(os.environ, COLUMNS="160")
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([V4LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture
+def ws(tmp_path):
+    (tmp_path / ".v4launch").mkdir()
+    return tmp_path
+
+
+def test_dry_run_prints_the_exact_script_and_submits_nothing(ws):
+    out = cli("submit", TINY, "--nodes", "2", "slurm.partition=gpu nodes", "slurm.time_min=30", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    assert script.startswith("#!/bin/bash\n") and "dry run: nothing submitted" in out.stderr
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition='gpu nodes'",
+                 "#SBATCH --time=30", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append"):
+        assert line in script.splitlines(), line
+    assert "--gpus-per-node" not in script and "submitit.core._submit" in script
+    assert not (ws / "runs").exists()
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+def test_submit_defaults_to_the_workspace_recipe(ws):
+    from v4launch.workspace import Workspace
+
+    Workspace(ws).remember(recipe=TINY)
+    out = cli("submit", "slurm.qos=high", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert f"recipe: {TINY} (the workspace's recipe)" in " ".join(out.stderr.split())
+    assert "#SBATCH --qos=high" in out.stdout
+
+
+def test_contract_violation_refuses_with_rule_ids(ws):
+    out = cli("submit", TINY, "parallel.cp=3", "--dry-run", cwd=ws)
+    assert out.returncode == 1
+    assert "V4-WORLD-SIZE" in out.stderr and "Traceback" not in out.stderr
+    assert not (ws / "runs").exists()
+
+
+def test_unknown_sbatch_parameter_lists_the_valid_ones(ws):
+    out = cli("submit", TINY, "slurm.additional_parameters.mail_usr=me", "--dry-run", cwd=ws)
+    assert out.returncode == 2
+    text = " ".join(out.stderr.split())
+    assert "mail_usr" in text and "mail-user" in text and "Traceback" not in text
+
+
+def test_newline_in_a_value_is_refused(ws, tmp_path):
+    recipe = tmp_path / "evil.yaml"
+    recipe.write_text(Path(TINY).read_text() + '\nslurm: {account: "acct\\n#SBATCH --uid=0"}\n')
+    out = cli("submit", str(recipe), "--dry-run", cwd=ws)
+    assert out.returncode == 2 and "control characters" in " ".join(out.stderr.split())
+
+
+def test_without_slurm_submit_fails_clearly_and_leaves_no_run(ws):
+    out = cli("submit", TINY, "--allow-dirty", cwd=ws, path="/nonexistent")
+    assert out.returncode == 1, out.stderr
+    assert "srun" in out.stderr and "dev-cluster up" in " ".join(out.stderr.split())
+    assert not list((ws / "runs").glob("*/run.json"))
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_dirty_tree_is_refused_unless_allowed(tmp_path):
+    repo = tmp_path / "src"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    clean = code_revision(repo)
+    assert clean.sha and not clean.dirty
+    check_clean(clean, allow_dirty=False)
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "new.py").write_text("y = 1\n")
+    dirty = code_revision(repo)
+    assert dirty.dirty and dirty.untracked == ("new.py",) and "+x = 2" in dirty.diff
+    with pytest.raises(RefusedError, match="uncommitted") as err:
+        check_clean(dirty, allow_dirty=False)
+    assert "--allow-dirty" in err.value.hint
+    check_clean(dirty, allow_dirty=True)
+
+
+def test_status_logs_cancel_on_a_local_run(ws, monkeypatch):
+    from v4launch.rundir import create_run_dir
+    from v4launch.training.recipe_io import load_recipe
+
+    monkeypatch.chdir(ws)
+    run_dir = create_run_dir(load_recipe(TINY), "local")
+    status = cli("status", cwd=ws)
+    assert status.returncode == 0 and "not launched" in status.stdout and "(local)" in status.stdout
+    assert cli("logs", str(run_dir), cwd=ws).returncode == 0
+    cancel = cli("cancel", run_dir.name, cwd=ws)
+    assert cancel.returncode == 1 and "not running" in cancel.stderr
+
+
+def test_status_without_runs_is_a_usage_error(ws):
+    out = cli("status", cwd=ws)
+    assert out.returncode == 2 and "no run" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,203 @@
+"""The requeue state machine, the ledger and the rendezvous environment (no cluster needed)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+
+from v4launch.errors import V4LaunchError
+from v4launch.slurm import ledger
+from v4launch.slurm.job import SlurmTrainJob
+from v4launch.slurm.ledger import Event
+from v4launch.slurm.query import clean_submit_env
+from v4launch.slurm.rendezvous import expand_nodelist, rendezvous_env
+from v4launch.slurm.states import (Decision, after_stop, job_state, normalise, on_start, parse_duration,
+                                   requeue_outcome, run_state)
+
+
+def ev(event, job="7", detail=""):
+    return Event(time="t", job_id=job, event=event, detail=detail)
+
+
+# ------------------------------------------------------------------ job states
+@pytest.mark.parametrize("slurm, events, shown", [
+    ("PREEMPTED", [], "preempted"),                     # never "failed" (submitit PR #1770)
+    ("REQUEUED", [], "requeued"),
+    ("PENDING", [ev("start"), ev("requeue")], "requeued"),
+    ("RUNNING", [ev("start"), ev("requeue")], "requeued"),  # requeued itself, being killed
+    ("PENDING", [ev("submit")], "pending"),
+    ("RUNNING", [ev("start")], "running"),
+    ("RUNNING", [ev("start"), ev("completed")], "completed"),  # still exiting
+    ("COMPLETED", [ev("stage_completed")], "stage completed"),
+    ("TIMEOUT", [ev("start"), ev("requeue")], "requeued"),
+    ("TIMEOUT", [ev("start")], "timeout"),
+    ("NODE_FAIL", [ev("start")], "node failure"),
+    ("FAILED", [ev("start")], "failed"),
+    ("OUT_OF_MEMORY", [], "failed"),
+    ("COMPLETED", [ev("start"), ev("failed")], "failed"),
+    ("FAILED", [ev("budget_exhausted")], "failed"),
+    ("CANCELLED by 0", [ev("start")], "cancelled"),
+    ("CANCELLED", [ev("exit", detail="cancelled (SIGTERM)")], "cancelled"),
+    ("COMPLETED", [ev("exit", detail="max_steps=3 reached")], "stopped"),
+    (None, [], "unknown"),
+])
+def test_job_state(slurm, events, shown):
+    assert job_state(slurm, events) == shown
+
+
+def test_normalise_and_run_state():
+    assert normalise("CANCELLED by 0") == normalise("CANCELLED+") == "CANCELLED"
+    assert run_state(["stage completed", "running"]) == "running"
+    assert run_state(["stage completed", "requeued"]) == "requeued"
+    assert run_state(["stage completed", "failed"]) == "failed"
+    assert run_state([]) == "not launched"
+
+
+# ------------------------------------------------------------------ decisions after a stop
+def stop(signal="USR2", state="RUNNING", restarts=0, budget=5, cancel=False, left=3600):
+    return after_stop(signal, state, restarts, budget, cancel=cancel, time_left_s=left, signal_delay_s=120)
+
+
+def test_preemption_notice_requeues():
+    d = stop()
+    assert (d.action, d.event) == ("requeue", "requeue") and "preemption (USR2)" in d.detail
+
+
+def test_time_limit_is_told_apart_from_preemption():
+    assert "time limit" in stop(left=100).detail and "preemption" in stop(left=1000).detail
+    assert "time limit" in stop("SIGTERM", state="TIMEOUT", left=None).detail
+
+
+def test_cancel_never_requeues():
+    assert stop(cancel=True).action == "exit" and stop("SIGTERM", state="CANCELLED").action == "exit"
+    assert "cancelled" in stop(cancel=True).detail
+
+
+def test_slurm_already_requeueing_is_left_alone():
+    d = stop("SIGTERM", state="PENDING")
+    assert (d.action, d.event) == ("leave", "requeue")
+
+
+def test_budget_stops_a_crash_loop():
+    assert stop(restarts=4, budget=5).action == "requeue"
+    d = stop(restarts=5, budget=5)
+    assert (d.action, d.event) == ("exit", "budget_exhausted") and "slurm.max_restarts=5" in d.detail
+    assert stop(restarts=0, budget=0).event == "budget_exhausted"
+
+
+def test_requeue_outcome():
+    d = Decision("requeue", "requeue", "preemption (SIGTERM): checkpoint saved, requeued (restart 1 of 5)")
+    assert requeue_outcome(d, None) == d
+    assert requeue_outcome(d, "Job is pending execution for job 7").detail.count("requeued by Slurm") == 1
+    failed = requeue_outcome(d, "Access/permission denied")
+    assert (failed.action, failed.event) == ("exit", "exit") and "permission" in failed.detail
+
+
+# ------------------------------------------------------------------ on start
+def test_first_start():
+    assert on_start(0, [], "7", 5) == [("start", "")]
+
+
+def test_restart_after_our_requeue():
+    out = on_start(1, [ev("start"), ev("requeue")], "7", 5)
+    assert [e for e, _ in out] == ["restart"]
+
+
+def test_restart_after_a_kill_counts_as_a_requeue():
+    out = on_start(1, [ev("start")], "7", 5)
+    assert [e for e, _ in out] == ["requeue", "restart"]
+
+
+def test_restart_over_budget_does_not_train():
+    events = [ev("start"), ev("requeue"), ev("restart"), ev("requeue")]
+    assert [e for e, _ in on_start(2, events, "7", 1)] == ["budget_exhausted"]
+
+
+def test_requeued_after_it_ended_does_not_train():
+    out = on_start(1, [ev("start"), ev("stage_completed")], "7", 5)
+    assert [e for e, _ in out] == ["exit"]
+
+
+@pytest.mark.parametrize("text, seconds", [("0:25", 25), ("1:02:03", 3723), ("1-00:00:10", 86410),
+                                           ("UNLIMITED", None), ("INVALID", None), ("", None)])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+# ------------------------------------------------------------------ ledger
+def test_ledger_roundtrip_and_queries(tmp_path):
+    ledger.append(tmp_path, "5", "submit", stage=0)
+    ledger.append(tmp_path, "5", "start")
+    ledger.append(tmp_path, "5", "requeue", stage=0, step=12, detail="preemption")
+    ledger.append(tmp_path, "6", "submit", stage=1)
+    ledger.append(tmp_path, "6", "cancel")
+    (tmp_path / "ledger.jsonl").open("a").write("{half a line\n")
+    events = ledger.read(tmp_path)
+    assert ledger.job_ids(events) == ["5", "6"] and ledger.restarts_used(events) == 1
+    assert ledger.cancel_requested(events, "6") and not ledger.cancel_requested(events, "5")
+    assert [e.event for e in ledger.for_job(events, "5")] == ["submit", "start", "requeue"]
+    assert events[2].step == 12 and events[2].stage == 0
+
+
+def test_ledger_rejects_unknown_events(tmp_path):
+    with pytest.raises(ValueError, match="unknown ledger event"):
+        ledger.append(tmp_path, "1", "exploded")
+
+
+def test_ledger_appends_from_many_writers(tmp_path):
+    def write(n):
+        for i in range(50):
+            ledger.append(tmp_path, str(n), "signal", step=i, detail="x" * 500)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ledger.read(tmp_path)) == 400
+
+
+# ------------------------------------------------------------------ rendezvous
+TASK = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "4",
+        "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-08,10],login3",
+        "MASTER_ADDR": "stale-host", "RANK": "99"}
+
+
+def test_rendezvous_env_from_the_task():
+    env = rendezvous_env(TASK, 29511, hostnames=["gpu07", "gpu08", "gpu10", "login3"])
+    assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "2",
+                   "MASTER_ADDR": "gpu07", "MASTER_PORT": "29511"}
+
+
+def test_nodelist_expansion_without_scontrol(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert expand_nodelist("gpu[07-08,10],login3") == ["gpu07", "gpu08", "gpu10", "login3"]
+    assert rendezvous_env(TASK, 29500)["MASTER_ADDR"] == "gpu07"  # first node, never the inherited one
+
+
+def test_rendezvous_outside_slurm_is_a_clear_error():
+    with pytest.raises(V4LaunchError, match="not inside a Slurm task"):
+        rendezvous_env({}, 29500)
+
+
+def test_rendezvous_inconsistent_counts():
+    with pytest.raises(V4LaunchError, match="inconsistent"):
+        rendezvous_env({**TASK, "SLURM_NTASKS": "7"}, 29500, hostnames=["a", "b", "c", "d"])
+
+
+def test_clean_submit_env_drops_the_jobs_own_variables():
+    env = clean_submit_env({**TASK, "SLURM_CONF": "/etc/slurm/slurm.conf", "SUBMITIT_FOLDER": "x", "PATH": "/bin",
+                            "WORLD_SIZE": "8"})
+    assert env == {"SLURM_CONF": "/etc/slurm/slurm.conf", "PATH": "/bin"}
+
+
+# ------------------------------------------------------------------ the pickled job
+def test_requeued_callable_carries_no_stale_checkpoint(tmp_path):
+    job = SlurmTrainJob(tmp_path, max_steps=9)
+    job.last_checkpoint = tmp_path / "checkpoints" / "step_00000002"  # state a job might have picked up
+    fresh = job.checkpoint().function
+    assert isinstance(fresh, SlurmTrainJob) and fresh is not job
+    assert vars(fresh) == {"run_dir": str(tmp_path), "max_steps": 9, "entry": "v4launch.training.job:train"}
+    assert b"step_00000002" not in pickle.dumps(fresh)
