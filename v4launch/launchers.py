@@ -185,7 +185,11 @@ class LocalLauncher(Launcher):
         if prev.get("state") == RUNNING and any(_alive(p) for p in prev.get("pids", [])):
             raise RefusedError(f"run {run_dir.name} is already running (pids {prev['pids']})",
                                hint=f"wait for it, or stop it with `v4launch cancel {run_dir}`")
-        world = load_run(run_dir).recipe.cluster.world_size
+        from .training.plan import plan_curriculum
+
+        recipe = load_run(run_dir).recipe
+        world = recipe.cluster.world_size
+        plan_curriculum(recipe, dp=world)  # refuse a stage the job cannot run (e.g. cp > 1) before starting
         if world == 1:
             result = self._in_process(run_dir, max_steps, progress)
         else:
@@ -228,8 +232,10 @@ class LocalLauncher(Launcher):
         result_file = logs / "result.rank0.json"
         if any(codes) or not result_file.is_file():
             record_launch(run_dir, state="failed", exit_codes=codes)
-            raise RefusedError(f"run {run_dir.name} failed: worker exit codes {codes}",
-                               hint=f"read {logs}/worker<R>.out and {logs}/rank<R>.log")
+            first = next((r for r, c in enumerate(codes) if c), 0)
+            tail = (logs / f"worker{first}.out").read_text(errors="replace").strip().splitlines()[-3:]
+            raise RefusedError(f"run {run_dir.name} failed: worker exit codes {codes}; rank {first}: "
+                               + " / ".join(tail), hint=f"read {logs}/worker<R>.out and {logs}/rank<R>.log")
         result = TrainResult.from_json(json.loads(result_file.read_text()))
         record_launch(run_dir, state=result.status, result=result.to_json(), exit_codes=codes)
         return result

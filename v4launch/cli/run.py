@@ -43,6 +43,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     from ..data import get_tokenizer, prepare_dataset
     from ..launchers import LocalLauncher
     from ..rundir import create_run_dir, git_sha
+    from ..training.plan import plan_curriculum
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
 
@@ -56,6 +57,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
         OUT.note(f"warning: {warning}")
     ws.remember(recipe=str(path))
     r = loaded.recipe
+    plan_curriculum(r, dp=r.cluster.world_size)  # stages the job cannot run are refused before any work
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "

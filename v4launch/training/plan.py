@@ -72,7 +72,7 @@ def plan_curriculum(recipe: Any, dp: int) -> list[StagePlan]:
             raise ContractViolation(
                 f"curriculum.stages[{i}] '{st.name}': cp={cp} — context parallelism is not available yet in "
                 "the bundled model's training job", hint=f"run stage '{st.name}' with cp=1 (curriculum.stages.{i}.cp=1) "
-                "or stop the run before it (`--stop-after-stage`)")
+                "or end the curriculum before it")
         if st.phase != "dense" and st.indexer_loss not in (None, DEFAULT_INDEXER_LOSS[st.phase]):
             raise ContractViolation(
                 f"curriculum.stages[{i}] '{st.name}': indexer_loss={st.indexer_loss!r} in phase {st.phase!r} — "
