@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import losses, train_records
+from train_helpers import losses, train_records
 
 from v4launch.checkpoints import latest_checkpoint
 from v4launch.training.job import train
@@ -27,6 +27,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_during_save_leaves_previous_checkpoint_and_resume_picks_it(new_run):
     ref = new_run()
     train(ref, progress=False)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import train_records
+from train_helpers import train_records
 
 from v4launch.errors import ContractViolation
 from v4launch.model import V4Model

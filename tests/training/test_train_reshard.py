@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import train_records
+from train_helpers import train_records
 
 from v4launch.launchers import LocalLauncher, launcher_for
 from v4launch.rundir import load_run

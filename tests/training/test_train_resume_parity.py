@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import losses, train_records
+from train_helpers import losses, train_records
 
 from v4launch.training.job import train
 
