@@ -28,8 +28,8 @@ from .args import ModelArgs
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
-from .packing import CompressPlan, Pack, compress_plan, entry_range, visible_table
-from .parallel import SINGLE_DEVICE, ContextParallel
+from .packing import CompressPlan, EntryMemory, Pack, entry_range, visible_table
+from .parallel import SINGLE_DEVICE, ContextParallel, Shard
 from .rope import RotaryEmbedding, apply_rope
 
 KLTarget = Literal["visible", "selected"]
@@ -39,9 +39,11 @@ KLTarget = Literal["visible", "selected"]
 class BatchContext:
     """Tables shared by every layer of one forward (built once per batch).
 
-    ``kl_target``: "visible" (warm-up: dense teacher over all visible entries) or
-    "selected" (sparse: teacher over the selected set). ``chunk_size``: query rows per
-    chunk. ``cp``: context-parallel hooks (single-device no-op by default).
+    ``pack``: this rank's rows (every row on one device). ``kl_target``: "visible"
+    (warm-up: dense teacher over all visible entries) or "selected" (sparse: teacher over
+    the selected set). ``chunk_size``: query rows per chunk. ``cp``: context-parallel hooks
+    (single-device no-op by default). ``shard``: the CP view of the batch
+    (``cp.shard(...)``; on one device built from ``pack``: no boundary rows).
     """
 
     pack: Pack
@@ -49,18 +51,31 @@ class BatchContext:
     kl_target: KLTarget = "selected"
     chunk_size: int = 256
     cp: ContextParallel = SINGLE_DEVICE
+    shard: Optional[Shard] = None
     _plans: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.shard is None:
+            self.shard = Shard(pack=self.pack, ext=self.pack)
+
+    @property
+    def ext(self) -> Pack:
+        """Rows attention reads as keys: ``shard.left`` boundary rows, then the local rows."""
+        return self.shard.ext
+
     def plan(self, ratio: int) -> CompressPlan:
         if ratio not in self._plans:
-            self._plans[ratio] = compress_plan(self.pack, ratio)
+            self._plans[ratio] = self.cp.plan(self.shard, ratio)
         return self._plans[ratio]
 
-    def cos_sin(self, rope: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (rope.key, dtype)
+    def cos_sin(self, rope: RotaryEmbedding, dtype: torch.dtype,
+                extended: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of the local rows, or of the extended rows with ``extended``."""
+        pack = self.ext if extended else self.pack
+        key = (rope.key, dtype, pack is self.pack)
         if key not in self._rope:
-            self._rope[key] = rope.cos_sin(self.pack.pos, dtype)
+            self._rope[key] = rope.cos_sin(pack.pos, dtype)
         return self._rope[key]
 
 
@@ -121,21 +136,28 @@ class Attention(FP32Pinned):
         The KL is None without an indexer; with one it is the mean over queries that
         have at least one candidate (an explicit zero when the batch has no entry).
         """
-        T, H, D = x.shape[0], self.n_heads, self.head_dim
+        T, H, D = x.shape[0], self.n_heads, self.head_dim  # T: this rank's rows
         acc = acc_dtype(x.dtype)
         cos, sin = ctx.cos_sin(self.rope, x.dtype)  # [T, rd/2]
+        xe = ctx.cp.extend(x, ctx.shard)  # [B + T, dim]: left boundary rows (CP only), then x
+        cos_e, sin_e = ctx.cos_sin(self.rope, x.dtype, extended=True)
         qr = self.q_norm(linear(x, self.wq_a))  # [T, q_lora_rank]
         q = rms_unweighted(linear(qr, self.wq_b).unflatten(-1, (H, D)), self.eps)  # [T, H, D]
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(linear(x, self.wkv)), cos, sin)  # [T, D]
-        kv = ctx.cp.window_kv(kv).to(acc)
+        kv = apply_rope(self.kv_norm(linear(xe, self.wkv)), cos_e, sin_e).to(acc)  # [B + T, D]
         plan = comp = inp = None
+        mems: list[EntryMemory] = []
         if self.ratio:
             plan = ctx.plan(self.ratio)
-            if plan.n_entries and plan.max_entries:
-                comp = ctx.cp.compressed(self.compressor(x, plan, self.rope)).to(acc)  # [C, D]
+            if plan.n_entries and plan.max_entries:  # global counts: the same branch on every CP rank
+                parts = [self.compressor(xe, plan, self.rope)]  # [C_own, D]
                 if self.has_indexer:
-                    inp = self.indexer.prepare(x, qr, ctx.pack.pos, plan, self.rope)
+                    inp = self.indexer.prepare(x, qr, ctx.pack.pos, plan, self.rope, x_comp=xe)
+                    parts.append(inp.keys)
+                mems = ctx.cp.gather(parts, plan, ctx.shard, f"layer_{self.layer_id:02d}")
+                comp = EntryMemory(mems[0].buf.to(acc), mems[0].phys)  # all entries, by logical id
+                if inp is not None:
+                    inp.keys = mems[1]
         outs, kl_sum, kl_rows = [], None, 0
         for start in range(0, T, ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, T))
@@ -147,33 +169,40 @@ class Attention(FP32Pinned):
         o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H/G * D], contiguous head groups
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H/G * D]
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)  # [T, G * o_lora_rank]
-        out = linear(o, self.wo_b)
+        out = ctx.cp.tie(linear(o, self.wo_b), mems)
         if not self.has_indexer:
             return out, None
-        if kl_sum is None:  # no compressed entry in this batch: an explicit zero
+        if kl_sum is None:  # no compressed entry for these queries: an explicit zero
             kl_sum = sum(p.sum() for p in self.indexer.parameters()) * 0.0
-        return out, kl_sum / max(kl_rows, 1)
+        kl_sum = ctx.cp.tie(kl_sum, mems)
+        return out, ctx.cp.sum_partial(kl_sum) / max(ctx.cp.sum_int(kl_rows), 1)
 
     def _attend_chunk(self, ctx: BatchContext, rows: slice, q_rows: torch.Tensor, kv: torch.Tensor,
-                      plan: Optional[CompressPlan], comp: Optional[torch.Tensor], inp):
-        """One query chunk: q_rows [R, H, D] -> (o [R, H, D], KL sum or None, KL rows)."""
+                      plan: Optional[CompressPlan], comp: Optional[EntryMemory], inp):
+        """One query chunk: local rows ``rows``, q_rows [R, H, D] -> (o [R, H, D], KL sum or None, KL rows).
+
+        ``kv`` [B + T, D] and the pack tables use extended rows (``rows`` shifted by the B
+        boundary rows); entry ids are global logical ids, lowered to physical rows by ``comp``.
+        """
         scale = self.softmax_scale
-        band, b_valid = _window_band(ctx.pack, rows, self.window_size)
+        B = ctx.shard.left
+        erows = slice(rows.start + B, rows.stop + B)  # the same queries in extended coordinates
+        band, b_valid = _window_band(ctx.ext, erows, self.window_size)
         kv_band = kv[band]  # [Nb, D], a contiguous slice: one GEMM, no gather
         logits, valid = [torch.einsum("rhd,nd->rhn", q_rows, kv_band) * scale], [b_valid]  # [R, H, Nb]
-        lo, hi = entry_range(ctx.pack, plan, rows) if comp is not None else (0, 0)
+        lo, hi = entry_range(ctx.ext, plan, erows) if comp is not None else (0, 0)
         if hi > lo:  # some query of the chunk sees a compressed entry
-            vis_idx, vis_valid = visible_table(ctx.pack, plan, rows)  # [R, P] global entry ids
-            vis_rel = (vis_idx - lo) * vis_valid  # ids relative to comp[lo:hi]
+            vis_idx, vis_valid = visible_table(ctx.ext, plan, erows)  # [R, P] global entry ids
+            vis_rel = (vis_idx - lo) * vis_valid  # ids relative to lo
             if inp is not None:  # CSA with indexer: the top-k selected entries
                 c_idx, c_valid = select_topk(inp, vis_rel, vis_valid, rows, self.topk, lo, hi)  # [R, k]
-                c_keys = comp[lo:hi][c_idx]  # [R, k, D]
+                c_keys = comp.at(c_idx + lo)  # [R, k, D]: logical ids lowered to physical rows
                 logits.append(torch.einsum("rhd,rkd->rhk", q_rows, c_keys) * scale)
                 valid.append(c_valid)
             else:  # HCA, or CSA in dense mode: every visible entry
-                c_keys = comp[lo:hi]  # [Nc, D]
+                c_keys = comp.rows(lo, hi)  # [Nc, D]
                 logits.append(torch.einsum("rhd,cd->rhc", q_rows, c_keys) * scale)
-                valid.append(_range_mask(ctx.pack, plan, rows, lo, hi))
+                valid.append(_range_mask(ctx.ext, plan, erows, lo, hi))
         p = sink_softmax(torch.cat(logits, -1), torch.cat(valid, -1), self.attn_sink.to(q_rows.dtype))
         nb = kv_band.shape[0]
         o_rows = torch.einsum("rhn,nd->rhd", p[..., :nb], kv_band)  # [R, H, D]
@@ -183,22 +212,22 @@ class Attention(FP32Pinned):
         o_rows = o_rows + torch.einsum(eq, p[..., nb:], c_keys)
         if inp is None:
             return o_rows, None, 0
-        part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp[lo:hi], logits[1], c_idx, c_valid,
+        part, n = self._kl_chunk(ctx, inp, rows, q_rows, comp, logits[1], c_idx, c_valid,
                                  vis_rel, vis_valid, lo, hi)
         return o_rows, part, n
 
-    def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: torch.Tensor,
+    def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: EntryMemory,
                   sel_logits: torch.Tensor, c_idx, c_valid, vis_rel, vis_valid, lo: int,
                   hi: int) -> tuple[torch.Tensor, int]:
         """KL(teacher || indexer) summed over the chunk's rows (seed 000 §3; seed 004 items 6b, 11).
 
-        comp: entries lo..hi-1 [Nc, D]; ids in c_idx / vis_rel are relative to lo.
+        comp: all entries by logical id; ids in c_idx / vis_rel are relative to lo.
         """
         if ctx.kl_target == "selected":
             student = Indexer.score_at(inp, rows, c_idx + lo)  # [R, k]
             return kl_teacher_student(sel_logits, student, c_valid)  # teacher: main logits at the selection
         with torch.no_grad():
-            full = torch.einsum("rhd,cd->rhc", q_rows, comp) * self.softmax_scale  # [R, H, Nc]
+            full = torch.einsum("rhd,cd->rhc", q_rows, comp.rows(lo, hi)) * self.softmax_scale  # [R, H, Nc]
             H, P = full.shape[1], vis_rel.shape[1]
             teacher = full.gather(2, vis_rel[:, None, :].expand(-1, H, P))  # [R, H, P]
         student = Indexer.score_all(inp, rows, lo, hi).gather(1, vis_rel)  # [R, P]

@@ -24,18 +24,20 @@ from torch import nn
 from .args import ModelArgs
 from .common import acc_dtype, linear
 from .compressor import Compressor, hadamard_matrix
-from .packing import CompressPlan
+from .packing import CompressPlan, EntryMemory
 from .rope import RotaryEmbedding, apply_rope
 
 
 @dataclass
 class IndexerInputs:
     """Per-forward indexer tensors. q: [T, H_I, d_I]; w: [T, H_I] (temperature folded in);
-    keys: [C, d_I]. All carry gradients to indexer parameters only."""
+    keys: [C_own, d_I] from :meth:`Indexer.prepare`, replaced by the caller with an
+    :class:`EntryMemory` of every entry (by logical id) before scoring. All carry
+    gradients to indexer parameters only."""
 
     q: torch.Tensor
     w: torch.Tensor
-    keys: torch.Tensor
+    keys: "torch.Tensor | EntryMemory"
 
 
 class Indexer(nn.Module):
@@ -56,8 +58,13 @@ class Indexer(nn.Module):
         return self.n_heads ** -0.5 * self.head_dim ** -0.5
 
     def prepare(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, plan: CompressPlan,
-                rope: RotaryEmbedding) -> IndexerInputs:
-        """Queries, head weights and keys. x [T, dim], qr [T, q_lora_rank] are detached here."""
+                rope: RotaryEmbedding, x_comp: torch.Tensor | None = None) -> IndexerInputs:
+        """Queries, head weights and keys. x [T, dim], qr [T, q_lora_rank] are detached here.
+
+        ``x_comp``: compressor input (the extended rows under context parallelism; default
+        ``x``), also detached; ``plan`` lists the entries to compute from it.
+        """
+        x_comp = (x if x_comp is None else x_comp).detach()
         x, qr = x.detach(), qr.detach()
         q = linear(qr, self.wq_b).unflatten(-1, (self.n_heads, self.head_dim))  # [T, H_I, d_I]
         cos, sin = rope.cos_sin(positions, x.dtype)
@@ -66,20 +73,20 @@ class Indexer(nn.Module):
             acc = acc_dtype(x.dtype)
             q = (q.to(acc) @ hadamard_matrix(self.head_dim, acc, x.device)).to(x.dtype)
         w = linear(x, self.weights_proj, acc_dtype(x.dtype)) * self.weight_scale  # [T, H_I]
-        return IndexerInputs(q=q, w=w, keys=self.compressor(x, plan, rope))
+        return IndexerInputs(q=q, w=w, keys=self.compressor(x_comp, plan, rope))
 
     @staticmethod
     def score_all(inp: IndexerInputs, rows: slice, lo: int, hi: int) -> torch.Tensor:
-        """Scores of the query rows against entries lo..hi-1: [R, hi - lo] (accumulation dtype)."""
+        """Scores of the query rows (local) against logical entries lo..hi-1: [R, hi - lo] (accumulation dtype)."""
         acc = acc_dtype(inp.q.dtype)
-        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys[lo:hi].to(acc))  # [R, H_I, Nc]
+        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys.rows(lo, hi).to(acc))  # [R, H_I, Nc]
         return torch.einsum("rhc,rh->rc", logits.relu(), inp.w[rows])
 
     @staticmethod
     def score_at(inp: IndexerInputs, rows: slice, idx: torch.Tensor) -> torch.Tensor:
-        """Scores at given entries: idx [R, K] global entry ids -> [R, K] (accumulation dtype)."""
+        """Scores at given entries: idx [R, K] global logical entry ids -> [R, K] (accumulation dtype)."""
         acc = acc_dtype(inp.q.dtype)
-        keys = inp.keys[idx].to(acc)  # [R, K, d_I]
+        keys = inp.keys.at(idx).to(acc)  # [R, K, d_I]
         logits = torch.einsum("rhd,rkd->rhk", inp.q[rows].to(acc), keys)  # [R, H_I, K]
         return torch.einsum("rhk,rh->rk", logits.relu(), inp.w[rows])
 

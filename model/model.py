@@ -25,7 +25,7 @@ from .indexer import Indexer
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
-from .packing import Pack, check_ids, make_pack, shift_in_segment
+from .packing import Pack, check_ids, shift_in_segment
 from .parallel import SINGLE_DEVICE, ContextParallel
 
 Phase = Literal["dense", "warmup", "sparse"]
@@ -95,7 +95,7 @@ class Block(FP32Pinned):
         a, kl = self.attn(self.attn_norm(x), ctx)
         h = hc_post(a, h, post, comb)
         x, post, comb = self._mix(h, "ffn")
-        f, bal = self.ffn(self.ffn_norm(x), token_ids, ctx.pack.seg, ctx.pack.n_segments)
+        f, bal = self.ffn(self.ffn_norm(x), token_ids, ctx.pack.seg, ctx.pack.n_segments, ctx.cp)
         return hc_post(f, h, post, comb), kl, bal
 
 
@@ -115,7 +115,10 @@ class V4Model(FP32Pinned):
     Args:
         args: architecture. phase: "dense" | "warmup" | "sparse" (see :data:`Phase`).
         chunk_size: query rows per attention / indexer chunk (memory is linear in it).
-        cp: context-parallel hooks; the default is the single-device no-op.
+        cp: context-parallel hooks; the default is the single-device no-op. With
+            ``parallel.ContextParallelGroup(group)`` each rank passes its contiguous slice
+            of tokens/labels and the GLOBAL cu_seqlens, and every loss is the global
+            value (docs/context_parallel.md).
     Raises:
         ValueError: unknown phase.
 
@@ -200,28 +203,30 @@ class V4Model(FP32Pinned):
         """Packed forward.
 
         Args:
-            tokens: [T] int64 token ids (THD, no batch dim).
-            cu_seqlens: [N+1] int32/int64 segment boundaries, 0 first, T last.
+            tokens: [T] int64 token ids (THD, no batch dim); under CP this rank's L rows.
+            cu_seqlens: [N+1] int32/int64 segment boundaries, 0 first, T last (global under CP).
             max_seqlen: int >= the longest segment.
             labels: [T] int64 next-token targets, -100 = ignore (None: no losses).
             return_logits: also return the main-model logits [T, vocab].
-        Returns: :class:`ModelOutput`.
-        Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels.
+        Returns: :class:`ModelOutput` (under CP: local logits, global losses).
+        Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels, and under
+            CP when cu_seqlens[-1] != cp * L or L < the boundary width.
         """
-        pack = make_pack(tokens, cu_seqlens, max_seqlen)
+        a = self.args
+        shard = self.cp.shard(tokens, cu_seqlens, max_seqlen, a.window_size, a.compress_ratios)
+        pack = shard.pack
         check_ids(tokens, labels, self.args.vocab_size)
         ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
-                           self.chunk_size, self.cp)
+                           self.chunk_size, self.cp, shard)
         h = self.embed(tokens)  # [T, dim]
         h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
         aux: dict[str, torch.Tensor] = {}
         for block in self.layers:
             h, kl, bal = block(h, tokens, ctx)
             _record(aux, block.layer_id, kl, bal)
-        a = self.args
         hidden = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.hc_eps, a.norm_eps))
         logits = self._logits(hidden)  # [T, vocab]
-        lm_loss = _ce(logits, labels) if labels is not None else None
+        lm_loss = _ce(logits, labels, self.cp) if labels is not None else None
         if labels is not None:
             self._mtp(h, tokens, labels, pack, ctx, aux)
         return ModelOutput(lm_loss=lm_loss, aux_losses=aux, logits=logits if return_logits else None)
@@ -231,14 +236,20 @@ class V4Model(FP32Pinned):
 
     def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, pack: Pack,
              ctx: BatchContext, aux: dict) -> None:
-        """MTP depths: depth k reads token t+k and predicts labels[t+k] (= token t+k+1)."""
+        """MTP depths: depth k reads token t+k and predicts labels[t+k] (= token t+k+1).
+
+        Under CP the row after a rank's last row comes from its right neighbour
+        (``cp.next_first``), the same contiguous convention as the labels (seed 000 §12 item 8).
+        """
         tok, lab = tokens, labels
+        cp = self.cp
         for k, layer in enumerate(self.mtp, start=1):
-            tok, lab = shift_in_segment(tok, pack, 0), shift_in_segment(lab, pack, -100)
+            tok = shift_in_segment(tok, pack, 0, cp.next_first(tok, 0))
+            lab = shift_in_segment(lab, pack, -100, cp.next_first(lab, -100))
             x = layer.mtp_input(h, self.embed(tok))  # [T, hc, dim]
             h, kl, bal = layer(x, tok, ctx)
             _record(aux, layer.layer_id, kl, bal)
-            aux[f"mtp/depth_{k}"] = _ce(self._logits(layer.mtp_hidden(h, self.args.hc_eps, self.args.norm_eps)), lab)
+            aux[f"mtp/depth_{k}"] = _ce(self._logits(layer.mtp_hidden(h, self.args.hc_eps, self.args.norm_eps)), lab, cp)
 
     @torch.no_grad()
     def update_router_bias(self, speed: float) -> None:
@@ -264,10 +275,12 @@ def _record(aux: dict, layer_id: int, kl: Optional[torch.Tensor], bal: torch.Ten
     aux[f"balance/layer_{layer_id:02d}"] = bal
 
 
-def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over labels != -100 (0 with a graph when none is valid)."""
-    n = int((labels != -100).sum())
-    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+def _ce(logits: torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Mean cross entropy over labels != -100 (0 with a graph when none is valid).
+
+    Under CP: the sum over every rank's rows divided by the global count (replicated)."""
+    n = cp.sum_int(int((labels != -100).sum()))
+    total = cp.sum_partial(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
     return total / max(n, 1)
 
 

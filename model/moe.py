@@ -24,7 +24,7 @@ from .common import FP32Pinned, acc_dtype, linear
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torch.Tensor, n_segments: int,
-                          n_experts: int) -> torch.Tensor:
+                          n_experts: int, cp=None) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss WITHOUT alpha, averaged over packed segments.
 
     Per segment b with T_b tokens and top-k K:
@@ -35,6 +35,9 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     Args:
         scores: [T, E] unbiased router affinities s (>= 0). indices: [T, K] chosen experts.
         seg: [T] segment id of each token.
+        cp: context-parallel hooks (``parallel.ContextParallel``) or None. Under CP the rows
+            are one rank's slice, ``seg`` holds global segment ids; f and T_b are summed over
+            ranks and ``L`` (linear in P) is the replicated sum of the ranks' partial sums.
     Returns: 0-d tensor (accumulation dtype of ``scores``).
     """
     T, K = indices.shape
@@ -44,6 +47,10 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     p_norm = scores / scores.sum(dim=-1, keepdim=True)
     p_sum = torch.zeros_like(counts).index_add_(0, seg, p_norm)  # [N, E]
     t_b = torch.bincount(seg, minlength=n_segments).to(scores.dtype)  # [N]
+    if cp is not None and cp.size > 1:
+        counts, t_b = cp.sum_counts(counts), cp.sum_counts(t_b)  # global f and T_b (no gradient)
+        per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # this rank's share of P
+        return cp.sum_partial(per_seg.sum()) / n_segments
     per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)
     return per_seg.mean()
 
@@ -122,7 +129,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_counts", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seg: torch.Tensor,
-                n_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+                n_segments: int, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (y [T, dim], balance loss); ``cp``: see :func:`sequence_balance_loss`."""
         weights, indices, scores = self.gate(x, token_ids)  # [T, K], [T, K], [T, E]
         flat = indices.flatten()  # [T*K]
         order = flat.argsort(stable=True)
@@ -137,7 +145,7 @@ class MoE(nn.Module):
         y = y.index_add(0, token_of, torch.cat(outs).to(y.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).to(y.dtype)
-        loss = sequence_balance_loss(scores, indices, seg, n_segments, self.n_experts)
+        loss = sequence_balance_loss(scores, indices, seg, n_segments, self.n_experts, cp)
         return y.to(x.dtype), loss
 
     @torch.no_grad()

@@ -131,6 +131,8 @@ class CompressPlan:
         seg_offset: [N] global index of each segment's first entry.
         n_visible: [T] entries visible to each query: (pos + 1) // ratio.
         max_entries: host bound on entries of one segment: max_seqlen // ratio.
+        capacity: context parallelism only: fixed rows per rank in the gathered buffer
+            (0 on one device). phys: [C] logical entry id -> physical (rank-major) row, or None.
     """
 
     ratio: int
@@ -141,6 +143,8 @@ class CompressPlan:
     seg_offset: torch.Tensor
     n_visible: torch.Tensor
     max_entries: int
+    capacity: int = 0
+    phys: torch.Tensor | None = None
 
 
 def compress_plan(pack: Pack, ratio: int) -> CompressPlan:
@@ -177,12 +181,35 @@ def entry_range(pack: Pack, plan: CompressPlan, rows: slice) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def shift_in_segment(x: torch.Tensor, pack: Pack, fill: int) -> torch.Tensor:
+def shift_in_segment(x: torch.Tensor, pack: Pack, fill: int, after: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = x[t+1] if t+1 is in t's segment, else ``fill``. [T] -> [T].
 
     Used for the MTP inputs and targets (spec §3 "MTP"): depth k applies it k times.
+    ``after`` [1] is the value of the row after the last one (a context-parallel rank
+    passes its right neighbour's first row; default ``fill``). Rows are last of their
+    segment when ``pos + 1 == lengths[seg]``, so ``pack`` may be one rank's rows.
     """
-    nxt = torch.cat((x[1:], x.new_full((1,), fill)))
-    last = torch.zeros_like(pack.seg, dtype=torch.bool)
-    last[pack.cu[1:] - 1] = True
+    nxt = torch.cat((x[1:], x.new_full((1,), fill) if after is None else after.to(x.dtype)))
+    last = pack.pos + 1 == pack.lengths[pack.seg]
     return torch.where(last, torch.full_like(x, fill), nxt)
+
+
+@dataclass(frozen=True)
+class EntryMemory:
+    """Compressed entries addressed by LOGICAL id (global, sequence-major: segment order, then i).
+
+    ``buf`` holds the rows: on one device ``[C, d]`` in logical order (``phys`` is None);
+    under context parallelism the rank-major gathered buffer ``[cp * capacity, d]`` and
+    ``phys`` [C] int64 maps each logical id to its physical row (seed 000 §5.2, §12 item 4).
+    """
+
+    buf: torch.Tensor
+    phys: torch.Tensor | None = None
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Entries with logical ids lo .. hi-1: [hi - lo, d]."""
+        return self.buf[lo:hi] if self.phys is None else self.buf[self.phys[lo:hi]]
+
+    def at(self, idx: torch.Tensor) -> torch.Tensor:
+        """Entries at logical ids ``idx`` [...] (lowered to physical rows): [..., d]."""
+        return self.buf[idx] if self.phys is None else self.buf[self.phys[idx]]
