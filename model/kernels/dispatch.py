@@ -1,0 +1,121 @@
+"""One dispatch point for the attention kernels: ``select_backend(name, device) -> Backend``.
+
+Names match the recipe's ``attention.kernel_backend`` Literal
+(``validators/schema/attention.py``: reference | triton | cudnn).
+
+* ``reference`` — plain PyTorch (``kernels/reference.py``), any device and dtype.
+* ``triton``    — the Triton kernels on an SM90 GPU (H100/H200) with Triton importable;
+  anywhere else it falls back to ``reference`` and says why in ``Backend.reason``.
+  Per call, shapes the kernels do not cover (float64, head counts / dims that are not
+  powers of two >= 16) also run the reference functions.
+* ``cudnn``     — FlashMLA + cuDNN DSA kernels. Not shipped with v4launch: selecting it
+  raises ``BackendUnavailable`` with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, get_args
+
+import torch
+
+from . import reference
+
+KernelBackendName = str
+BACKEND_NAMES: tuple[str, ...] = ("reference", "triton", "cudnn")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The functions one backend provides (all with the reference signatures).
+
+    sparse_sink_attention(q [T,H,D], kv [N,D], idx [T,K] int32 | None, sink [H], scale, ranges [T,4] | None)
+        -> (out [T,H,D], lse [T,H]); differentiable in q, kv, sink.
+    indexer_topk(q [T,HI,dI], w [T,HI], keys [C,dI], first [T], n_visible [T], topk, max_entries)
+        -> idx [T, min(topk, max_entries)] int32 global entry ids, -1 = masked.
+    head_avg_probs(q, kv, idx, scale) -> [T, K] float: the sparse-phase KL teacher.
+    """
+
+    name: str
+    requested: str
+    reason: str
+    sparse_sink_attention: Callable
+    indexer_topk: Callable
+    head_avg_probs: Callable
+
+
+def _triton_problem(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA GPU"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"GPU compute capability {cap[0]}.{cap[1]} is not SM90 (kernels are tuned and tested on H100/H200)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def _triton_backend(requested: str) -> Backend:
+    from . import triton_attention as ta
+    from . import triton_indexer as ti
+
+    def attn(q, kv, idx, sink, scale, ranges=None):
+        if ta.supported(q, kv):
+            return ta.sparse_sink_attention(q, kv, idx, sink, scale, ranges)
+        return reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges)
+
+    def topk(q, w, keys, first, n_visible, k, max_entries):
+        if ti.supported(q):
+            return ti.indexer_topk(q, w, keys, first, n_visible, k, max_entries)
+        return reference.indexer_topk(q, w, keys, first, n_visible, k, max_entries)
+
+    def teacher(q, kv, idx, scale):
+        if ta.supported(q, kv):
+            return ta.head_avg_probs(q, kv, idx, scale)
+        return reference.head_avg_probs(q, kv, idx, scale)
+
+    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher)
+
+
+def _reference_backend(requested: str, reason: str) -> Backend:
+    return Backend("reference", requested, reason, reference.sparse_sink_attention, reference.indexer_topk,
+                   reference.head_avg_probs)
+
+
+def select_backend(name: str, device: torch.device | str | None = None) -> Backend:
+    """Pick the kernels for ``attention.kernel_backend = name`` on ``device``.
+
+    Raises:
+        ValueError: unknown name.
+        BackendUnavailable: ``cudnn`` (FlashMLA + cuDNN DSA kernels are not installed).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"kernel_backend={name!r}: must be one of {BACKEND_NAMES}. "
+                         "Fix: set attention.kernel_backend to reference, triton or cudnn.")
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if name == "cudnn":
+        raise BackendUnavailable(
+            "kernel_backend='cudnn' needs the FlashMLA sparse kernels and cuDNN's DSA attention, which v4launch "
+            "does not ship and which are not installed here. Fix: use kernel_backend='triton' (SM90) or "
+            "'reference' (any device).")
+    if name == "reference":
+        return _reference_backend(name, "requested")
+    problem = _triton_problem(device)
+    if problem is not None:
+        return _reference_backend(name, f"triton requested but {problem}: using the reference kernels")
+    return _triton_backend(name)
+
+
+def schema_names() -> tuple[str, ...]:
+    """The names allowed by the recipe schema (``KernelBackend`` Literal), for consistency checks."""
+    from v4launch.validators.schema.attention import KernelBackend
+
+    return get_args(KernelBackend)

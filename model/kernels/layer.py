@@ -1,0 +1,170 @@
+"""Kernel-path forward of one ``model.attention.Attention`` layer (drop-in for ``Attention.forward``).
+
+``attention_forward(attn, x, ctx, backend)`` computes exactly what ``attn(x, ctx)`` computes
+(same parameters, same phases, same KL definition) but runs the core through a
+:class:`~v4launch.model.kernels.dispatch.Backend`:
+
+* the query / KV / compressor / indexer projections are the module's own code;
+* candidates: the sliding window and (HCA, dense-mode CSA) every visible compressed
+  entry are passed as per-query row *ranges* into ``kv_all = cat(kv, comp)``; CSA with an
+  indexer passes the top-k as an index table [T, k] (``backend.indexer_topk``);
+* one ``backend.sparse_sink_attention`` call over all T queries (no query chunking);
+* sparse-phase KL: teacher = ``backend.head_avg_probs`` over the selected entries,
+  student = indexer scores at the selection (bf16 matmuls, recomputed in backward);
+* warm-up KL (teacher over ALL visible entries) is quadratic by definition: it runs the
+  reference math in query chunks with the student checkpointed per chunk.
+
+Memory is O(T * (H * D + k)) apart from the warm-up teacher's per-chunk block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..common import acc_dtype, linear, rms_unweighted
+from ..indexer import kl_teacher_student
+from ..rope import apply_rope
+from .dispatch import Backend
+
+
+def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
+    acc = acc_dtype(q.dtype)
+    mm = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else acc
+    logits = torch.einsum("rhd,rkd->rhk", q.to(mm), keys[sel.clamp_min(0).long()].to(mm)).to(acc)
+    return torch.einsum("rhk,rh->rk", logits.relu(), w.to(acc))
+
+
+class _StudentAt(torch.autograd.Function):
+    """Student scores at the selection, chunked; backward recomputes each chunk (O(chunk) memory)."""
+
+    ROWS = 2048
+
+    @staticmethod
+    def forward(ctx, q, w, keys, sel):
+        T, K = sel.shape
+        out = torch.empty(T, K, dtype=acc_dtype(q.dtype), device=q.device)
+        for r0 in range(0, T, _StudentAt.ROWS):
+            r1 = min(T, r0 + _StudentAt.ROWS)
+            out[r0:r1] = _score_at(q[r0:r1], w[r0:r1], keys, sel[r0:r1])
+        ctx.save_for_backward(q, w, keys, sel)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, w, keys, sel = ctx.saved_tensors
+        dq, dw = torch.zeros_like(q), torch.zeros_like(w)
+        dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)
+        for r0 in range(0, sel.shape[0], _StudentAt.ROWS):
+            r1 = min(sel.shape[0], r0 + _StudentAt.ROWS)
+            with torch.enable_grad():
+                qc = q[r0:r1].detach().requires_grad_()
+                wc = w[r0:r1].detach().requires_grad_()
+                kc = keys.detach().requires_grad_()
+                s = _score_at(qc, wc, kc, sel[r0:r1])
+                gq, gw, gk = torch.autograd.grad(s, (qc, wc, kc), g[r0:r1])
+            dq[r0:r1], dw[r0:r1] = gq, gw
+            dkeys += gk
+        return dq, dw, dkeys.to(keys.dtype), None
+
+
+def kl_from_probs(p_t: torch.Tensor, student: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sum over rows of KL(p_t || softmax(student)) over valid slots; rows without a valid slot skipped.
+    Same value as ``indexer.kl_teacher_student`` given the teacher's probabilities."""
+    has = valid.any(dim=1)
+    n = int(has.sum())
+    if n == 0:
+        return student.sum() * 0.0, 0
+    p_t, student, valid = p_t[has].to(student.dtype), student[has], valid[has]
+    log_p_s = student.masked_fill(~valid, float("-inf")).log_softmax(dim=-1).masked_fill(~valid, 0.0)
+    kl = torch.special.xlogy(p_t, p_t) - p_t * log_p_s
+    return kl.sum(), n
+
+
+def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tensor, nvis: torch.Tensor,
+               max_entries: int) -> tuple[Optional[torch.Tensor], int]:
+    """Warm-up KL: teacher over every visible entry (reference math, chunked; quadratic compute)."""
+    T, H = q.shape[0], q.shape[1]
+    acc = acc_dtype(q.dtype)
+    end = (first + nvis).long()
+    rows_per = max(16, min(T, 2 ** 26 // max(1, H * max_entries)))
+    total, count = None, 0
+    j = torch.arange(max_entries, device=q.device)
+    for r0 in range(0, T, rows_per):
+        r1 = min(T, r0 + rows_per)
+        lo = int(first[r0])
+        hi = max(lo, int(end[r0:r1].max()))
+        if hi == lo:
+            continue
+        vis_valid = j[None, :] < nvis[r0:r1, None]
+        vis_rel = (first[r0:r1, None] - lo + j[None, :]) * vis_valid
+        with torch.no_grad():
+            full = torch.einsum("rhd,cd->rhc", q[r0:r1], comp[lo:hi].to(q.dtype)).to(acc) * attn.softmax_scale
+            teacher = full.gather(2, vis_rel[:, None, :].expand(-1, H, -1))
+        rows = slice(r0, r1)
+
+        def student_fn(iq, iw, ik, rows=rows, lo=lo, hi=hi, vis_rel=vis_rel):
+            logits = torch.einsum("rhd,cd->rhc", iq[rows].to(acc), ik[lo:hi].to(acc))
+            return torch.einsum("rhc,rh->rc", logits.relu(), iw[rows].to(acc)).gather(1, vis_rel)
+
+        student = checkpoint(student_fn, inp.q, inp.w, inp.keys, use_reentrant=False)
+        part, n = kl_teacher_student(teacher, student, vis_valid)
+        total, count = (part if total is None else total + part), count + n
+    return total, count
+
+
+def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Same contract as ``Attention.forward(x, ctx)``: x [T, dim] -> (out [T, dim], KL 0-d or None)."""
+    T, H, D = x.shape[0], attn.n_heads, attn.head_dim
+    pack = ctx.pack
+    cos, sin = ctx.cos_sin(attn.rope, x.dtype)
+    qr = attn.q_norm(linear(x, attn.wq_a))
+    q = rms_unweighted(linear(qr, attn.wq_b).unflatten(-1, (H, D)), attn.eps)
+    q = apply_rope(q, cos, sin)
+    kv = apply_rope(attn.kv_norm(linear(x, attn.wkv)), cos, sin)
+    shard = getattr(ctx, "shard", None)
+    if getattr(shard, "left", 0) or (hasattr(ctx.cp, "window_kv") and ctx.cp.window_kv(kv) is not kv):
+        raise NotImplementedError("kernel-path attention runs on one device only (no context-parallel "
+                                  "boundary rows yet). Fix: use kernel_backend='reference' with cp > 1.")
+    t = torch.arange(T, device=x.device)
+    a_lo = torch.maximum(t - pack.pos, t - attn.window_size + 1)
+    b_lo = b_hi = torch.zeros_like(t)
+    comp = inp = idx = sel = None
+    if attn.ratio:
+        plan = ctx.plan(attn.ratio)
+        if plan.n_entries and plan.max_entries:
+            comp = attn.compressor(x, plan, attn.rope)
+            first, nvis = plan.seg_offset[pack.seg], plan.n_visible
+            if attn.has_indexer:
+                inp = attn.indexer.prepare(x, qr, pack.pos, plan, attn.rope)
+                sel = backend.indexer_topk(inp.q, inp.w, inp.keys, first, nvis, attn.topk, plan.max_entries)
+                idx = torch.where(sel >= 0, sel + kv.shape[0], -1).to(torch.int32)
+            else:
+                b_lo = kv.shape[0] + first
+                b_hi = b_lo + nvis
+    kv_all = kv if comp is None else torch.cat((kv, comp.to(kv.dtype)))
+    ranges = torch.stack((a_lo, t + 1, b_lo, b_hi), 1).to(torch.int32)
+    o, _lse = backend.sparse_sink_attention(q, kv_all, idx, attn.attn_sink, attn.softmax_scale, ranges)
+    o = apply_rope(o.to(x.dtype), cos, sin, inverse=True)
+    o = o.view(T, attn.n_groups, H * D // attn.n_groups)
+    wo_a = attn.wo_a.weight.view(attn.n_groups, attn.o_lora_rank, -1)
+    o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)
+    out = linear(o, attn.wo_b)
+    if not attn.has_indexer:
+        return out, None
+    kl_sum, kl_rows = None, 0
+    if inp is not None:
+        if ctx.kl_target == "selected":
+            valid = sel >= 0
+            p_t = backend.head_avg_probs(q.detach(), kv_all.detach(), idx, attn.softmax_scale)
+            student = _StudentAt.apply(inp.q, inp.w, inp.keys, sel)
+            kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
+        else:
+            kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)
+    if kl_sum is None or kl_rows == 0:
+        if kl_sum is None:
+            kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
+    return out, kl_sum / max(kl_rows, 1)

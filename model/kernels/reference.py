@@ -1,0 +1,148 @@
+"""Plain-PyTorch versions of the attention kernels (any device, any float dtype).
+
+They define the contract the Triton kernels must meet and are the fallback of
+:func:`v4launch.model.kernels.dispatch.select_backend` off SM90. Semantics follow
+``model/attention.py`` (``sink_softmax`` + the V = K sums) and ``model/indexer.py``
+(``Indexer.score_all`` / ``select_topk`` / ``kl_teacher_student``).
+
+Candidate sets. Query ``t`` attends over the rows of ``kv`` named by
+``idx[t, :]`` (int32, ``-1`` = masked) plus, when ``ranges`` is given, the two
+contiguous row ranges ``ranges[t, 0]:ranges[t, 1]`` and ``ranges[t, 2]:ranges[t, 3]``
+(used for the sliding window and for "every visible compressed entry", so neither
+needs a [T, window] / [T, entries] index table). A row must not appear twice in
+one query's candidate set.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..common import acc_dtype
+
+
+def _candidates(idx: Optional[torch.Tensor], ranges: Optional[torch.Tensor], r0: int, r1: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows r0..r1-1: (kv row ids [R, K] with 0 where masked, valid [R, K])."""
+    cols, valid = [], []
+    if ranges is not None:
+        rng = ranges[r0:r1].long()
+        for a in (0, 2):
+            lo, hi = rng[:, a], rng[:, a + 1]
+            width = int((hi - lo).clamp_min(0).max()) if hi.numel() else 0
+            if width:
+                j = lo[:, None] + torch.arange(width, device=rng.device)[None, :]
+                ok = j < hi[:, None]
+                cols.append(j * ok)
+                valid.append(ok)
+    if idx is not None and idx.shape[1]:
+        sel = idx[r0:r1].long()
+        ok = sel >= 0
+        cols.append(sel * ok)
+        valid.append(ok)
+    if not cols:
+        z = torch.zeros(r1 - r0, 0, dtype=torch.long, device=(idx if idx is not None else ranges).device)
+        return z, z.bool()
+    return torch.cat(cols, 1), torch.cat(valid, 1)
+
+
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor], sink: torch.Tensor,
+                          scale: float, ranges: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA attention with a sink: q [T, H, D], kv [N, D] (K = V), idx [T, K] int32
+    (-1 = masked) or None, sink [H], optional ranges [T, 4] int32.
+
+    Returns ``out`` [T, H, D] (q's dtype) and ``lse`` [T, H] float32 (float64 for float64
+    input) with ``lse = log(sum_c exp(scale * q.kv_c) + exp(sink))``, so that
+    ``p_c = exp(scale * q.kv_c - lse)``. Differentiable in q, kv and sink (autograd).
+    Computed in the accumulation dtype, in query chunks (memory O(chunk * K * D)).
+    """
+    T, H, D = q.shape
+    acc = acc_dtype(q.dtype)
+    width = (idx.shape[1] if idx is not None else 0) + (
+        int((ranges[:, 1] - ranges[:, 0]).clamp_min(0).max() + (ranges[:, 3] - ranges[:, 2]).clamp_min(0).max())
+        if ranges is not None and T else 0)
+    chunk = max(1, min(256, 2 ** 25 // max(1, width * D)))
+    s = sink.to(acc)[None, :, None]
+    outs, lses = [], []
+    for r0 in range(0, T, chunk):
+        r1 = min(T, r0 + chunk)
+        rows, valid = _candidates(idx, ranges, r0, r1)
+        keys = kv[rows].to(acc)  # [R, K, D]
+        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(acc), keys) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        m = torch.maximum(logits.amax(-1, keepdim=True), s).detach() if logits.shape[-1] else s.expand(r1 - r0, H, 1)
+        e = (logits - m).exp()
+        den = e.sum(-1, keepdim=True) + (s - m).exp()
+        outs.append(torch.einsum("rhk,rkd->rhd", e / den, keys))
+        lses.append((m + den.log()).squeeze(-1))
+    if not outs:
+        return q.new_zeros(q.shape), torch.zeros(0, H, dtype=acc, device=q.device)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """KL teacher over a selected set: per-head softmax of ``scale * q.kv`` over the valid
+    slots of ``idx`` [T, K] (no sink), averaged over heads -> [T, K] float32/64, 0 where
+    masked (rows without a valid slot are all 0). No gradient."""
+    T, H, D = q.shape
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(T, idx.shape[1], dtype=acc, device=q.device)
+    chunk = max(1, min(256, 2 ** 25 // max(1, idx.shape[1] * D)))
+    with torch.no_grad():
+        for r0 in range(0, T, chunk):
+            r1 = min(T, r0 + chunk)
+            sel = idx[r0:r1].long()
+            ok = sel >= 0
+            logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(acc), kv[sel * ok].to(acc)) * scale
+            logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+            p = logits.softmax(-1).nan_to_num(0.0).mean(1)
+            out[r0:r1] = p * ok
+    return out
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: torch.Tensor,
+                   n_visible: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Indexer scores of query rows against entries lo..hi-1: q [R, HI, dI], w [R, HI],
+    keys [C, dI], first/n_visible [R] (row r sees entries first[r] .. first[r]+n_visible[r]-1)
+    -> [R, hi - lo] float, ``-inf`` where not visible. ``sum_h w * relu(q_h . k)``."""
+    acc = acc_dtype(q.dtype)
+    logits = torch.einsum("rhd,cd->rhc", q.to(acc), keys[lo:hi].to(acc))
+    s = torch.einsum("rhc,rh->rc", logits.relu(), w.to(acc))
+    c = torch.arange(lo, hi, device=q.device)[None, :]
+    ok = (c >= first[:, None]) & (c < (first + n_visible)[:, None])
+    return s.masked_fill(~ok, float("-inf"))
+
+
+def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: torch.Tensor,
+                 n_visible: torch.Tensor, topk: int, max_entries: int,
+                 score_fn=indexer_scores) -> torch.Tensor:
+    """Top-k visible compressed entries per query (no gradient).
+
+    q [T, HI, dI], w [T, HI] (temperature folded in), keys [C, dI]; first [T] global id of
+    the row's segment's first entry, n_visible [T] entries the row sees; ``max_entries``
+    bounds n_visible. Returns idx [T, k] int32 global entry ids, ``-1`` where the row has
+    fewer than k visible entries, with k = min(topk, max_entries) (as ``select_topk``).
+    Processes query rows in chunks so the score block stays <= ~512 MiB.
+    """
+    T = q.shape[0]
+    k = min(topk, max_entries)
+    out = torch.full((T, k), -1, dtype=torch.int32, device=q.device)
+    if T == 0 or k == 0:
+        return out
+    end = (first + n_visible).long()
+    with torch.no_grad():
+        rows_per = max(64, min(T, 2 ** 27 // max(1, max_entries)))
+        for r0 in range(0, T, rows_per):
+            r1 = min(T, r0 + rows_per)
+            lo = int(first[r0])
+            hi = max(lo, int(end[r0:r1].max()))
+            if hi == lo:
+                continue
+            s = score_fn(q[r0:r1], w[r0:r1], keys, first[r0:r1], n_visible[r0:r1], lo, hi)
+            kk = min(k, hi - lo)
+            val, pos = s.topk(kk, dim=1, sorted=False)
+            out[r0:r1, :kk] = torch.where(torch.isfinite(val), pos + lo, -1).to(torch.int32)
+    return out
+

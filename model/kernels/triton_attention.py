@@ -1,0 +1,284 @@
+"""Triton kernels (SM90): sparse MQA attention with a sink, its backward, the KL teacher.
+
+One program per query token (x ``n_split`` output slices): all H heads of the query
+share the same K = V rows, so each selected row tile [BN, D] is loaded once and the
+scores are an [H x BN] matrix product (heads are the M dimension). The softmax runs
+online in base 2 with the sink as the initial running maximum (``m = sink``, ``l = 1``),
+so a query with no valid candidate is well defined (out = 0, lse = sink).
+
+Backward: per query, recompute p from the saved lse, ``dS = p * (dP - delta)``;
+dQ accumulates in registers, dKV tiles [BN, D] go to a float32 buffer with relaxed
+atomic adds (rows are shared across queries; V = K so both terms land in one row).
+dsink = -sum_t exp(sink - lse) * delta (one tiny torch reduction).
+
+Memory: O(T * H * D) for q/out/dq, O(N * D) float32 for dkv; nothing in T^2.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
+CONFIGS = {
+    "fwd": {"lp": dict(BN=32, n_split=1, num_warps=8, num_stages=2),
+            "fp32": dict(BN=16, n_split=2, num_warps=8, num_stages=1)},
+    "bwd": {"lp": dict(BN=32, n_split=2, num_warps=8, num_stages=1),
+            "fp32": dict(BN=16, n_split=4, num_warps=8, num_stages=1)},
+    "teacher": {"lp": dict(BN=32, n_split=1, num_warps=8, num_stages=2),
+                "fp32": dict(BN=16, n_split=1, num_warps=8, num_stages=1)},
+}
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "lp"
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Shapes/dtypes these kernels handle: CUDA, bf16/fp16/fp32, H and D powers of two >= 16."""
+    H, D = q.shape[1], q.shape[2]
+    p2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and kv.dtype == q.dtype
+            and p2(H) and p2(D) and H <= 128 and D <= 1024)
+
+
+@triton.jit
+def _fwd_tile(q, KV, rows, valid, m, l, acc, qk_scale, offs_d, dv0,
+              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+    rows64 = rows.to(tl.int64)
+    kvt = tl.load(KV + rows64[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.math.exp2(m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    if DV == D:
+        kvv = kvt
+    else:
+        offs_v = dv0 + tl.arange(0, DV)
+        kvv = tl.load(KV + rows64[:, None] * D + offs_v[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kvv.dtype), kvv, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk_scale,
+                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    dv0 = tl.program_id(1) * DV
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+    m = tl.load(SINK + offs_h).to(tl.float32) * 1.4426950408889634
+    l = tl.full([H], 1.0, tl.float32)
+    acc = tl.zeros([H, DV], tl.float32)
+    if HAS_RNG:
+        for r in tl.static_range(2):
+            lo = tl.load(RNG + t * 4 + 2 * r)
+            hi = tl.load(RNG + t * 4 + 2 * r + 1)
+            for start in range(lo, hi, BN):
+                rows = start + offs_n
+                m, l, acc = _fwd_tile(q, KV, rows, rows < hi, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
+    if HAS_IDX:
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            m, l, acc = _fwd_tile(q, KV, rows, rows >= 0, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
+    out = acc / l[:, None]
+    offs_v = dv0 + tl.arange(0, DV)
+    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_v[None, :], out.to(O.dtype.element_ty))
+    if tl.program_id(1) == 0:
+        tl.store(LSE + t * H + offs_h, (m + tl.math.log2(l)) / 1.4426950408889634)
+
+
+@triton.jit
+def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, sm_scale, offs_d, dv0,
+              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+    rows64 = rows.to(tl.int64)
+    kvt = tl.load(KV + rows64[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+    p = tl.math.exp2(s - lse2[:, None])
+    p = tl.where(valid[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(kvt), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    if DV == D:
+        kvv = kvt
+    else:
+        offs_v = dv0 + tl.arange(0, DV)
+        kvv = tl.load(KV + rows64[:, None] * D + offs_v[None, :], mask=valid[:, None], other=0.0)
+    dq = tl.dot(ds.to(kvv.dtype), kvv, dq, input_precision=PREC)
+    dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
+    dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
+    offs_v = dv0 + tl.arange(0, DV)
+    tl.atomic_add(DKV + rows64[:, None] * D + offs_v[None, :], dkv, mask=valid[:, None], sem="relaxed")
+    return dq
+
+
+@triton.jit
+def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
+                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
+    """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D]."""
+    t = tl.program_id(0).to(tl.int64)
+    dv0 = tl.program_id(1) * DV
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D)
+    offs_v = dv0 + tl.arange(0, DV)
+    offs_n = tl.arange(0, BN)
+    base = t * sq_t + offs_h[:, None] * sq_h
+    q = tl.load(Q + base + offs_d[None, :])
+    do = tl.load(DO + base + offs_d[None, :])
+    o = tl.load(O + base + offs_d[None, :])
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if DV == D:
+        qv = q
+        dov = do
+    else:
+        qv = tl.load(Q + base + offs_v[None, :])
+        dov = tl.load(DO + base + offs_v[None, :])
+    lse2 = tl.load(LSE + t * H + offs_h) * 1.4426950408889634
+    dq = tl.zeros([H, DV], tl.float32)
+    if HAS_RNG:
+        for r in tl.static_range(2):
+            lo = tl.load(RNG + t * 4 + 2 * r)
+            hi = tl.load(RNG + t * 4 + 2 * r + 1)
+            for start in range(lo, hi, BN):
+                rows = start + offs_n
+                dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows < hi, lse2, delta, dq, qk_scale, sm_scale,
+                               offs_d, dv0, D, DV, PREC)
+    if HAS_IDX:
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows >= 0, lse2, delta, dq, qk_scale, sm_scale,
+                           offs_d, dv0, D, DV, PREC)
+    tl.store(DQ + base + offs_v[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))
+    if tl.program_id(1) == 0:
+        tl.store(DELTA + t * H + offs_h, delta)
+
+
+@triton.jit
+def _teacher(Q, KV, IDX, OUT, K_SEL, sq_t, sq_h, qk_scale,
+             H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+    m = tl.full([H], -1.0e30, tl.float32)
+    l = tl.zeros([H], tl.float32)
+    for start in range(0, K_SEL, BN):
+        sel = start + offs_n
+        rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+        valid = rows >= 0
+        kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
+        m = m_new
+    lse2 = m + tl.math.log2(tl.maximum(l, 1e-30))
+    for start in range(0, K_SEL, BN):
+        sel = start + offs_n
+        rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+        valid = rows >= 0
+        kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+        p = tl.where(valid[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
+        tl.store(OUT + t * K_SEL + sel, tl.sum(p, 0) / H, mask=sel < K_SEL)
+
+
+def _prep(q, kv, idx, ranges):
+    q = q.contiguous()
+    kv = kv.contiguous()
+    has_idx = idx is not None and idx.shape[1] > 0
+    idx_t = idx.to(torch.int32).contiguous() if has_idx else q.new_zeros(1, dtype=torch.int32)
+    rng_t = ranges.to(torch.int32).contiguous() if ranges is not None else q.new_zeros(4, dtype=torch.int32)
+    return q, kv, idx_t, rng_t, has_idx, ranges is not None, (idx.shape[1] if has_idx else 0)
+
+
+def attention_fwd(q, kv, idx, sink, scale, ranges=None):
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    T, H, D = q.shape
+    cfg = CONFIGS["fwd"][_kind(q.dtype)]
+    DV = D // cfg["n_split"]
+    out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T:
+        _sparse_fwd[(T, cfg["n_split"])](
+            q, kv, idx_t, rng_t, sink.float().contiguous(), out, lse, K, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, BN=cfg["BN"], HAS_IDX=has_idx,
+            HAS_RNG=has_rng, PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    T, H, D = q.shape
+    cfg = CONFIGS["bwd"][_kind(q.dtype)]
+    DV = D // cfg["n_split"]
+    dout = dout.to(q.dtype).contiguous()
+    out = out.contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T:
+        _sparse_bwd[(T, cfg["n_split"])](
+            q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, K, q.stride(0), q.stride(1),
+            scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], HAS_IDX=has_idx, HAS_RNG=has_rng,
+            PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dkv, delta
+
+
+class _SparseSinkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, sink, idx, ranges, scale):
+        out, lse = attention_fwd(q, kv, idx, sink, scale, ranges)
+        ctx.save_for_backward(q, kv, sink, idx, ranges, out, lse)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, sink, idx, ranges, out, lse = ctx.saved_tensors
+        if dout is None:
+            return None, None, None, None, None, None
+        dq, dkv, delta = attention_bwd(q, kv, idx, ranges, out, lse, dout, ctx.scale)
+        dsink = -(torch.exp(sink.float()[None, :] - lse) * delta).sum(0)
+        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
+
+
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor], sink: torch.Tensor,
+                          scale: float, ranges: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`v4launch.model.kernels.reference.sparse_sink_attention`
+    (same arguments and results; ``lse`` float32; gradients for q, kv, sink)."""
+    return _SparseSinkAttention.apply(q, kv, sink, idx, ranges, float(scale))
+
+
+def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` (two passes:
+    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32."""
+    q, kv = q.contiguous(), kv.contiguous()
+    T, H, D = q.shape
+    K = idx.shape[1]
+    out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+    if T and K:
+        cfg = CONFIGS["teacher"][_kind(q.dtype)]
+        _teacher[(T,)](q, kv, idx.to(torch.int32).contiguous(), out, K, q.stride(0), q.stride(1), scale * LOG2E,
+                       H=H, D=D, BN=cfg["BN"], PREC=_prec(q.dtype), num_warps=cfg["num_warps"],
+                       num_stages=cfg["num_stages"])
+    return out
