@@ -104,12 +104,24 @@ def layer_case(case: dict) -> dict:
     loss_of(out_c, kl_c, rows).backward()
     grad_err, grad_name = _reduced_grad_err(cp, attn, ref_grads)
     plan = ctx.plan(ratio) if ratio else None
+    traffic = list(cp.traffic.records)  # one forward + backward of the layer
+    kl_only = None
+    if kl_r is not None:  # the indexer loss alone: it reaches indexer parameters only, on every rank
+        attn.zero_grad(set_to_none=True)
+        full_ctx = BatchContext(make_pack(tokens, cu, max_len), args.window_size, kl_target, chunk)
+        attn(x.clone().requires_grad_(), full_ctx)[1].backward()
+        ref_kl = {n: (p.grad.clone() if p.grad is not None else None) for n, p in attn.named_parameters()}
+        attn.zero_grad(set_to_none=True)
+        attn(x[rows].clone().requires_grad_(), BatchContext(shard.pack, args.window_size, kl_target, chunk, cp,
+                                                             shard))[1].backward()
+        kl_only = _reduced_grad_err(cp, attn, ref_kl)[0]
     return dict(
         out=_err(out_c, out_r[rows]), x_grad=_err(xl.grad, xr.grad[rows]), param_grad=grad_err, worst=grad_name,
         kl=None if kl_r is None else abs(kl_c.item() - kl_r.item()), kl_value=None if kl_r is None else kl_r.item(),
+        kl_only_grad=kl_only,
         owned=0 if plan is None else int(plan.start.numel()), entries=0 if plan is None else plan.n_entries,
         capacity=0 if plan is None else plan.capacity, local_rows=T // cp.size, boundary=shard.left,
-        traffic=cp.traffic.records)
+        traffic=traffic)
 
 
 def model_case(case: dict) -> dict:

@@ -67,6 +67,7 @@ def test_layer_matches_cp1(cp, i, tmp_path_factory):
         assert r["param_grad"] <= tol, (where, r["worst"], r["param_grad"])
         if case["phase"] != "dense" and case["ratio"] == 4:
             assert r["kl"] <= tol and r["kl_value"] > 0, (where, r)
+            assert r["kl_only_grad"] <= tol, (where, r["kl_only_grad"])  # backward of the KL alone
         else:
             assert r["kl"] is None
         assert r["boundary"] == boundary_width(8, [case["ratio"]]) <= r["local_rows"]
