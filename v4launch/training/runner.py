@@ -92,7 +92,8 @@ class Runner:
             manifest = Manifest.read(path)
         except CheckpointError as exc:
             raise RefusedError(exc.message, exc.hint) from None
-        self._build(manifest.phase if manifest.indexer_layers or manifest.phase == "dense" else "dense")
+        phase = manifest.extra.get("model_phase") or (manifest.phase if manifest.indexer_layers else "dense")
+        self._build(phase)
         states = self._states()
         try:
             with warnings.catch_warnings():
