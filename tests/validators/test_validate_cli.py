@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import RECIPES, invoke, write_recipe
+from validate_helpers import RECIPES, invoke, write_recipe
 from v4launch.validators import RULES
 from v4launch.workspace import Workspace
 from validator_fixtures import base

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import RECIPES, validate_file
+from validate_helpers import RECIPES, validate_file
 from v4launch.validators import derived
 from v4launch.validators.schema.model import FLASH_COMPRESS_RATIOS, PRO_COMPRESS_RATIOS
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import RECIPES, write_recipe
+from validate_helpers import RECIPES, write_recipe
 from v4launch.errors import RecipeError
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators.schema import Recipe

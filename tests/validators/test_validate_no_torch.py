@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from validate_helpers import REPO
 
 CHECK = """
 import sys

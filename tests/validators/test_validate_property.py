@@ -12,7 +12,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import invoke
+from validate_helpers import invoke
 from validator_fixtures import base
 
 SCALARS = st.one_of(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RECIPES, validate_file
+from validate_helpers import RECIPES, validate_file
 from v4launch.validators import RULES
 from validator_fixtures import CASES
 

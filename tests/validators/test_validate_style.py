@@ -7,7 +7,7 @@ import inspect
 import pytest
 from pydantic import BaseModel
 
-from conftest import REPO
+from validate_helpers import REPO
 from v4launch.validators import RULES
 from v4launch.validators import schema as schema_pkg
 
