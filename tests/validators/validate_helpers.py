@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from v4launch.errors import V4LaunchError
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators import Report, validate_recipe
-from validator_fixtures import base
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
