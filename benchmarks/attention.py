@@ -69,12 +69,12 @@ from v4launch.model.kernels import attention_forward, select_backend  # noqa: E4
 from v4launch.model.packing import make_pack  # noqa: E402
 
 DEV = "cuda"
-LAYERS = [  # name, layer id in the Flash schedule, indexer, kl target
+LAYERS = [  # name, layer id in the Flash schedule, indexer, kl target, phase
+    ("CSA", 2, True, "selected", "sparse"),
     ("SWA", 0, False, "selected", "-"),
     ("HCA", 3, False, "selected", "-"),
     ("CSA", 2, False, "selected", "dense"),
     ("CSA", 2, True, "visible", "warmup"),
-    ("CSA", 2, True, "selected", "sparse"),
 ]
 
 

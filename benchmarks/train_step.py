@@ -1,6 +1,6 @@
 """Whole training step of a ~1.1B-parameter V4-shaped model on one GPU: tokens/s and MFU.
 
-    python benchmarks/train_step.py [--tokens 16384] [--seg 4096] [--phase sparse] [--steps 3]
+    python benchmarks/train_step.py [--tokens 8192] [--seg 4096] [--phase sparse] [--steps 3]
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -72,12 +72,13 @@ def flops_per_step(model: V4Model, args: ModelArgs, lengths: list[int]) -> tuple
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seg", type=int, default=4096)
     ap.add_argument("--phase", default="sparse", choices=["dense", "warmup", "sparse"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--paths", default="reference,kernels")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one kernel-path step")
     a = ap.parse_args()
     peak = matmul_peak()
     args = make_args()
@@ -123,6 +124,14 @@ def main():
         except torch.OutOfMemoryError as e:
             res["paths"][path] = f"OOM {str(e)[:80]}"
         print(path, res["paths"][path], flush=True)
+        if a.profile and path == "kernels" and isinstance(res["paths"][path], dict):
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                train_step()
+                torch.cuda.synchronize()
+            tab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=50)
+            Path(a.out, "train_step_profile.txt").write_text(tab)
+            print(tab, flush=True)
         torch.cuda.empty_cache()
     Attention.forward = orig
     Path(a.out, "train_step.json").write_text(json.dumps(res, indent=1))

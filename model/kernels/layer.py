@@ -32,9 +32,8 @@ from .dispatch import Backend
 
 def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
-    acc = acc_dtype(q.dtype)
-    mm = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else acc
-    logits = torch.einsum("rhd,rkd->rhk", q.to(mm), keys[sel.clamp_min(0).long()].to(mm)).to(acc)
+    acc = acc_dtype(q.dtype)  # float32 like Indexer.score_at: the KL gradient (p_s - p_t) is sensitive to it
+    logits = torch.einsum("rhd,rkd->rhk", q.to(acc), keys[sel.clamp_min(0).long()].to(acc))
     return torch.einsum("rhk,rh->rk", logits.relu(), w.to(acc))
 
 

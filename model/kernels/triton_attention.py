@@ -26,12 +26,12 @@ LOG2E = 1.4426950408889634
 
 # Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
 CONFIGS = {
-    "fwd": {"lp": dict(BN=32, n_split=1, num_warps=8, num_stages=2),
-            "fp32": dict(BN=16, n_split=2, num_warps=8, num_stages=1)},
-    "bwd": {"lp": dict(BN=32, n_split=2, num_warps=8, num_stages=1),
-            "fp32": dict(BN=16, n_split=4, num_warps=8, num_stages=1)},
-    "teacher": {"lp": dict(BN=32, n_split=1, num_warps=8, num_stages=2),
-                "fp32": dict(BN=16, n_split=1, num_warps=8, num_stages=1)},
+    "fwd": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
+            "fp32": dict(BN=16, n_split=2, BH=16, num_warps=4, num_stages=1)},
+    "bwd": {"lp": dict(BN=32, n_split=4, BH=64, num_warps=4, num_stages=1),
+            "fp32": dict(BN=16, n_split=4, BH=16, num_warps=4, num_stages=1)},
+    "teacher": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
+                "fp32": dict(BN=16, n_split=1, BH=16, num_warps=4, num_stages=1)},
 }
 
 
@@ -73,17 +73,17 @@ def _fwd_tile(q, KV, rows, valid, m, l, acc, qk_scale, offs_d, dv0,
 
 @triton.jit
 def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk_scale,
-                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
                 HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
-    offs_h = tl.arange(0, H)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
     q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
     m = tl.load(SINK + offs_h).to(tl.float32) * 1.4426950408889634
-    l = tl.full([H], 1.0, tl.float32)
-    acc = tl.zeros([H, DV], tl.float32)
+    l = tl.full([BH], 1.0, tl.float32)
+    acc = tl.zeros([BH, DV], tl.float32)
     if HAS_RNG:
         for r in tl.static_range(2):
             lo = tl.load(RNG + t * 4 + 2 * r)
@@ -128,12 +128,12 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
 
 @triton.jit
 def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
-                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
                 HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
     """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D]."""
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
-    offs_h = tl.arange(0, H)
+    offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, D)
     offs_v = dv0 + tl.arange(0, DV)
     offs_n = tl.arange(0, BN)
@@ -149,7 +149,7 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
         qv = tl.load(Q + base + offs_v[None, :])
         dov = tl.load(DO + base + offs_v[None, :])
     lse2 = tl.load(LSE + t * H + offs_h) * 1.4426950408889634
-    dq = tl.zeros([H, DV], tl.float32)
+    dq = tl.zeros([BH, DV], tl.float32)
     if HAS_RNG:
         for r in tl.static_range(2):
             lo = tl.load(RNG + t * 4 + 2 * r)
@@ -217,9 +217,10 @@ def attention_fwd(q, kv, idx, sink, scale, ranges=None):
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T:
-        _sparse_fwd[(T, cfg["n_split"])](
+        _sparse_fwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
             q, kv, idx_t, rng_t, sink.float().contiguous(), out, lse, K, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, BN=cfg["BN"], HAS_IDX=has_idx,
+            out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H),
+            HAS_IDX=has_idx,
             HAS_RNG=has_rng, PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -235,9 +236,10 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T:
-        _sparse_bwd[(T, cfg["n_split"])](
+        _sparse_bwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
             q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, K, q.stride(0), q.stride(1),
-            scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], HAS_IDX=has_idx, HAS_RNG=has_rng,
+            scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H), HAS_IDX=has_idx,
+            HAS_RNG=has_rng,
             PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dkv, delta
 
