@@ -77,12 +77,18 @@ def diagnostics(run_dir: Path | None) -> str:
 
 
 def wait_for(what: str, predicate: Callable[[], Any], timeout: float, run_dir: Path | None = None) -> Any:
-    """Poll ``predicate`` every second until it returns something truthy; fail after ``timeout`` s."""
+    """Poll ``predicate`` every second until it returns something truthy; fail after ``timeout`` s,
+    or at once when every job of ``run_dir`` has left the queue without it becoming true."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
+        if run_dir is not None and ledger(run_dir) and queue_empty(run_dir):
+            value = predicate()
+            if value:
+                return value
+            pytest.fail(f"the run ended before {what}\n{diagnostics(run_dir)}")
         time.sleep(1.0)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{diagnostics(run_dir)}")
 

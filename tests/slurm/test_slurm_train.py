@@ -86,3 +86,21 @@ def test_a_crash_is_reported_failed_with_its_log_tail(workspace):
     assert "failed" in human.stdout and "last lines of" in human.stdout
     assert "nonexistent" in cli("logs", cwd=workspace).stdout
     assert [e["event"] for e in ledger(run_dir)] == ["submit", "start", "failed"]
+
+
+def test_two_ranks_rendezvous_and_stop_together(workspace):
+    """Two tasks on the node (gloo): MASTER_ADDR from the allocation, a USR2 reaches every rank, both
+    save, rank 0 requeues, and the restarted pair resumes from the same checkpoint."""
+    run_dir, job = submit(workspace, "cluster.gpus_per_node=2", "parallel.global_batch_size=2",
+                          "slurm.master_port=29611", "curriculum.stages.0.steps=30", "curriculum.stages.1.steps=1",
+                          "curriculum.stages.2.steps=1")
+    wait_for("three steps on two ranks", lambda: len(steps(run_dir)) >= 3, 600, run_dir)
+    signal_job(job, "usr2")
+    wait_for("the run to finish", lambda: finished(run_dir), 900, run_dir)
+    assert events(run_dir, "completed"), diagnostics(run_dir)
+    trace = steps(run_dir)
+    stop = events(run_dir, "signal")[0]["step"]
+    assert sorted(set(trace)) == list(range(1, 33)) and trace.count(stop + 1) == 1
+    rank1 = (run_dir / "logs" / "rank1.log").read_text()
+    assert f"stopped at step {stop}" in rank1 and "world 2" in rank1
+    assert (run_dir / "slurm" / f"{job}_1_log.out").exists()
