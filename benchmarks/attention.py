@@ -111,7 +111,7 @@ def copy_bw():
     y = torch.empty_like(x)
     y.copy_(x)
     ms = cuda_time(lambda: y.copy_(x), 10)
-    return 2 * x.numel() * 4 / ms / 1e9  # GB/s read + write
+    return 2 * x.numel() * 4 / ms / 1e9  # TB/s, read + write
 
 
 def make_layer(lid, indexer, dtype=torch.bfloat16, seed=0):
@@ -179,11 +179,13 @@ def grads_of(attn, x):
     return d
 
 
-def parity(T, dtype, quick=False):
+def parity(T, dtype, layers="all"):
     """Kernel path vs reference path on every layer type/phase: max rel error of out, kl, all grads."""
     rows = []
     backend = select_backend("triton", DEV)
     for name, lid, ind, target, phase in LAYERS:
+        if layers != "all" and f"{name}-{phase}" not in layers.split(","):
+            continue
         attn, args = make_layer(lid, ind, dtype)
         gen = torch.Generator(device=DEV).manual_seed(int(time.time()) % 100000)
         x = torch.randn(T, args.dim, device=DEV, generator=gen).to(dtype).requires_grad_()
@@ -195,17 +197,36 @@ def parity(T, dtype, quick=False):
         for path in ("reference", "kernels"):
             _, _, _, out, kl = step(path, attn, x, g, (pack, args.window_size, target, 256), backend)
             res[path] = (out, kl, grads_of(attn, x))
-        (o1, k1, g1), (o2, k2, g2) = res["reference"], res["kernels"]
-        errs = {"out": rel(o2, o1)}
-        if k1 is not None:
-            errs["kl"] = rel(k2, k1)
-        gerr = {n: rel(g2[n], g1[n]) for n in g1}
-        worst = max(gerr, key=gerr.get)
-        errs["grad(max)"] = gerr[worst]
+        if dtype != torch.float32:  # ground truth: the reference path in float32 on the same weights/inputs
+            import copy
+            a32 = copy.deepcopy(attn).float()
+            x32 = x.detach().float().requires_grad_()
+            _, _, _, out, kl = step("reference", a32, x32, g, (pack, args.window_size, target, 256), backend)
+            res["fp32"] = (out, kl, grads_of(a32, x32))
+            del a32, x32
+
+        def errs_of(a, b):
+            (o1, k1, g1), (o2, k2, g2) = res[b], res[a]
+            e = {"out": rel(o2, o1)}
+            if k1 is not None:
+                e["kl"] = rel(k2, k1)
+            ge = {n: rel(g2[n], g1[n]) for n in g1}
+            w = max(ge, key=ge.get)
+            e["grad(max)"] = ge[w]
+            return e, w
+
+        errs, worst = errs_of("kernels", "reference")
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
         ok = all(v <= tol for v in errs.values())
+        extra = {}
+        if "fp32" in res:
+            ek, wk = errs_of("kernels", "fp32")
+            er, wr = errs_of("reference", "fp32")
+            extra = dict(kern_vs_fp32=ek, kern_vs_fp32_worst=wk, ref_vs_fp32=er, ref_vs_fp32_worst=wr)
+            ok = ok or all(v <= tol for v in ek.values())
+            print(f"   vs fp32 truth: kernels {ek} ({wk}); reference bf16 {er} ({wr})", flush=True)
         rows.append(dict(layer=name, phase=phase, dtype=str(dtype).split(".")[-1], T=T, **errs,
-                         worst_grad=worst, ok=ok))
+                         worst_grad=worst, ok=ok, **extra))
         print(f"parity {name:3s} {phase:6s} {str(dtype):14s} T={T}: " +
               " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f" (worst grad {worst}) {'OK' if ok else 'FAIL'}",
               flush=True)
@@ -347,6 +368,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time core kernel configs first and keep the best")
     ap.add_argument("--no-parity", action="store_true")
+    ap.add_argument("--no-fp32-parity", action="store_true")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     reps = 1 if a.quick else 3
@@ -364,8 +386,9 @@ def main():
     from v4launch.model.kernels import triton_attention as ta
     env["configs"] = {k: v["lp"] for k, v in ta.CONFIGS.items()}
     if not a.no_parity:
-        results["parity"] += parity(a.parity_T, torch.bfloat16)
-        results["parity"] += parity(1024, torch.float32)
+        results["parity"] += parity(a.parity_T, torch.bfloat16, layers=a.layers)
+        if not a.no_fp32_parity:
+            results["parity"] += parity(1024, torch.float32, layers=a.layers)
     backend = select_backend("triton", DEV)
     assert backend.name == "triton", backend.reason
     layers = LAYERS if a.layers == "all" else [l for l in LAYERS if f"{l[0]}-{l[4]}" in a.layers.split(",")]
@@ -454,7 +477,7 @@ def render(res):
     env = res["env"]
     pk = env["peak_tflops"]
     L = [f"GPU {env['gpu']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-         f"commit {env['commit']}. Measured bf16 matmul peak {pk:.0f} TFLOP/s, copy {env['copy_gbs'] / 1e3:.2f} TB/s.",
+         f"commit {env['commit']}. Measured bf16 matmul peak {pk:.0f} TFLOP/s, copy {env['copy_gbs']:.2f} TB/s.",
          "", "| layer | phase | tokens | kernels fwd+bwd ms | tok/s | peak GB | reference fwd+bwd ms | peak GB | speedup |"
          " core fwd TFLOP/s (% peak) | core bwd TFLOP/s (% peak) | indexer score TFLOP/s (% peak) | indexer+top-k ms |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -475,10 +498,14 @@ def render(res):
         it = f"{r['idx_topk_ms']:.1f}" if "idx_topk_ms" in r else "-"
         L.append(f"| {r['layer']} | {r['phase']} | {r['T']} | {kc} | {rc} | {sp} | {cf} | {cb} | {ix} | {it} |")
     L += ["", "Parity, kernel path vs reference path (relative L2 error; bf16 limit 1e-2, fp32 limit 1e-4):", "",
-          "| layer | phase | dtype | tokens | out | kl | worst grad (tensor) | ok |", "|---|---|---|---|---|---|---|---|"]
+          "| layer | phase | dtype | tokens | out | kl | worst grad (tensor) | kernels vs fp32 truth: out / worst grad |"
+          " reference bf16 vs fp32 truth: out / worst grad | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in res["parity"]:
         L.append(f"| {p['layer']} | {p['phase']} | {p['dtype']} | {p['T']} | {p['out']:.1e} | "
-                 f"{p.get('kl', float('nan')):.1e} | {p['grad(max)']:.1e} ({p['worst_grad']}) | {p['ok']} |")
+                 f"{p.get('kl', float('nan')):.1e} | {p['grad(max)']:.1e} ({p['worst_grad']}) | " +
+                 (f"{p['kern_vs_fp32']['out']:.1e} / {p['kern_vs_fp32']['grad(max)']:.1e} ({p['kern_vs_fp32_worst']}) | "
+                  f"{p['ref_vs_fp32']['out']:.1e} / {p['ref_vs_fp32']['grad(max)']:.1e} ({p['ref_vs_fp32_worst']}) | "
+                  if "kern_vs_fp32" in p else "- | - | ") + f"{p['ok']} |")
     return "\n".join(L) + "\n"
 
 

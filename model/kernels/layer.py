@@ -54,19 +54,23 @@ class _StudentAt(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        """Explicit gradients; the key gradient is scattered with index_add_ (atomic), not the
+        sort-based deterministic index backward of ``keys[sel]`` (41% of a 64K CSA step)."""
         q, w, keys, sel = ctx.saved_tensors
-        dq, dw = torch.zeros_like(q), torch.zeros_like(w)
-        dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)
+        acc = acc_dtype(q.dtype)
+        dq, dw = torch.empty_like(q), torch.empty_like(w)
+        dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         for r0 in range(0, sel.shape[0], _StudentAt.ROWS):
             r1 = min(sel.shape[0], r0 + _StudentAt.ROWS)
-            with torch.enable_grad():
-                qc = q[r0:r1].detach().requires_grad_()
-                wc = w[r0:r1].detach().requires_grad_()
-                kc = keys.detach().requires_grad_()
-                s = _score_at(qc, wc, kc, sel[r0:r1])
-                gq, gw, gk = torch.autograd.grad(s, (qc, wc, kc), g[r0:r1])
-            dq[r0:r1], dw[r0:r1] = gq, gw
-            dkeys += gk
+            s_idx = sel[r0:r1].clamp_min(0).long()
+            ok = (sel[r0:r1] >= 0).to(acc)
+            qc, wc, gc = q[r0:r1].to(acc), w[r0:r1].to(acc), g[r0:r1].to(acc) * ok  # [R,HI,dI], [R,HI], [R,K]
+            kg = keys[s_idx].to(acc)  # [R, K, dI]
+            logits = torch.einsum("rhd,rkd->rhk", qc, kg)
+            dw[r0:r1] = torch.einsum("rhk,rk->rh", logits.relu(), gc).to(w.dtype)
+            gl = (logits > 0).to(acc) * wc[:, :, None] * gc[:, None, :]  # [R, HI, K]
+            dq[r0:r1] = torch.einsum("rhk,rkd->rhd", gl, kg).to(q.dtype)
+            dkeys.index_add_(0, s_idx.flatten(), torch.einsum("rhk,rhd->rkd", gl, qc).flatten(0, 1))
         return dq, dw, dkeys.to(keys.dtype), None
 
 
