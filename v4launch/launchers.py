@@ -3,8 +3,9 @@
 ``launcher_for(run_dir)`` picks the implementation recorded in run.json["launcher"]:
 
 * ``local`` — :class:`LocalLauncher` (this file): world size = cluster.nodes · cluster.gpus_per_node
-  of the run's recipe; 1 → ``train()`` in this process; > 1 → that many worker processes on this
-  host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set.
+  of the run's recipe, fixed for the whole run (each stage splits it into dp = world / cp data-parallel
+  replicas of cp context-parallel ranks); 1 → ``train()`` in this process; > 1 → that many worker
+  processes on this host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set.
 * ``slurm`` — ``v4launch.slurm.launcher.SlurmLauncher`` (imported lazily, only for Slurm runs).
 
 Every launcher records what it did in ``<run>/launch.json`` (state, pid or job id, result) so that
@@ -176,7 +177,8 @@ class LocalLauncher(Launcher):
 
         Raises:
             RefusedError: another launch of this run is still running.
-            V4LaunchError: whatever the job raises for a user mistake (e.g. a CP > 1 stage).
+            V4LaunchError: whatever the job raises for a user mistake (e.g. a stage's cp that does not
+                divide the world size, or CP with a fused kernel backend).
         """
         from .rundir import load_run
 
@@ -189,7 +191,7 @@ class LocalLauncher(Launcher):
 
         recipe = load_run(run_dir).recipe
         world = recipe.cluster.world_size
-        plan_curriculum(recipe, dp=world)  # refuse a stage the job cannot run (e.g. cp > 1) before starting
+        plan_curriculum(recipe, world)  # refuse a stage the job cannot run (e.g. cp ∤ world) before starting
         if world == 1:
             result = self._in_process(run_dir, max_steps, progress)
         else:

@@ -1,4 +1,4 @@
-"""Bad data trains without error; the metrics file has every aux loss; CP > 1 and schedule checks."""
+"""Bad data trains without error; the metrics file has every aux loss; CP planning and schedule checks."""
 
 from __future__ import annotations
 
@@ -65,12 +65,21 @@ def test_indexer_kl_falls_during_warmup(new_run):
     assert sum(kl[-3:]) / 3 < sum(kl[:3]) / 3
 
 
-def test_cp_above_one_is_refused_with_the_stage_named(write_recipe):
+def test_cp_stage_plans_dp_times_cp_and_refuses_what_the_job_cannot_run(write_recipe):
     from v4launch.training.recipe_io import load_recipe
 
-    loaded = load_recipe(write_recipe(), ["curriculum.stages.2.cp=2", "cluster.gpus_per_node=2"])
-    with pytest.raises(ContractViolation, match="'sparse'.*context parallelism is not available yet"):
-        plan_curriculum(loaded.recipe, dp=1)
+    over = ["curriculum.stages.2.cp=2", "curriculum.stages.2.seq_len=256", "cluster.gpus_per_node=2"]
+    plans = plan_curriculum(load_recipe(write_recipe(), over).recipe, 2)
+    assert [(p.dp, p.cp, p.accum) for p in plans] == [(2, 1, 1), (2, 1, 1), (1, 2, 2)]
+    with pytest.raises(ContractViolation, match="'sparse'.*cp=2 does not divide the world size 1"):
+        plan_curriculum(load_recipe(write_recipe(), over).recipe, 1)
+    short = load_recipe(write_recipe(), ["curriculum.stages.2.cp=2", "cluster.gpus_per_node=2"]).recipe
+    with pytest.raises(ContractViolation, match="'sparse'.*128 packed tokens.*boundary width 128"):
+        plan_curriculum(short, 2)  # 64 local rows < max(window 16, HCA context 128)
+    fused = load_recipe(write_recipe(), [*over, "curriculum.stages.2.kernel_backend=triton"]).recipe
+    with pytest.raises(ContractViolation, match="'sparse'.*kernel_backend='triton'.*no context-parallel path") as err:
+        plan_curriculum(fused, 2)
+    assert "kernel_backend=reference" in err.value.hint
 
 
 def test_tokens_budget_and_lr_schedule(write_recipe):
@@ -78,7 +87,7 @@ def test_tokens_budget_and_lr_schedule(write_recipe):
 
     r = load_recipe(write_recipe(), ["curriculum.stages.1.steps=null", "curriculum.stages.1.tokens=300",
                                      "curriculum.stages.2.lr=1e-3"]).recipe
-    plans = plan_curriculum(r, dp=1)
+    plans = plan_curriculum(r, 1)
     assert [p.steps for p in plans] == [3, 3, 2]  # ceil(300 / (2 * 64)) = 3
     sched = LRSchedule(r.optimizer, plans)
     assert sched.lr(0)[0] == pytest.approx(1.5e-3) and sched.lr(1)[0] == pytest.approx(3e-3)

@@ -12,7 +12,8 @@ from .common import OUT, OverridesArg
 
 HELP = ("Train RECIPE on this machine: validate it (refused with exit 1 on a contract violation), prepare "
         "its data, create a run directory under the workspace's run.output_root, and run every curriculum "
-        "stage (world size = cluster.nodes x cluster.gpus_per_node processes on this host). Ctrl-C or "
+        "stage (world size = cluster.nodes x cluster.gpus_per_node processes on this host; a stage with "
+        "context-parallel size cp runs world/cp data-parallel replicas of cp ranks). Ctrl-C or "
         "`v4launch cancel RUN` stops after the current step with a checkpoint; `v4launch resume` continues.")
 EXAMPLES = """Examples:
 
@@ -57,7 +58,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
         OUT.note(f"warning: {warning}")
     ws.remember(recipe=str(path))
     r = loaded.recipe
-    plan_curriculum(r, dp=r.cluster.world_size)  # stages the job cannot run are refused before any work
+    plan_curriculum(r, r.cluster.world_size)  # stages the job cannot run are refused before any work
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "

@@ -3,7 +3,9 @@
 The run's dataset prefix is recorded in run.json["extra"]["data_prefix"] by ``v4launch run``;
 a run without one (e.g. created by other tooling) is prepared here by rank 0 into the
 workspace cache that holds the run directory. Each stage gets its own loader (its
-``seq_len``), seeded by ``data.seed + stage index`` and sharded over the data-parallel ranks.
+``seq_len``) over the one global data stream, sharded over the stage's data-parallel replicas
+only: the ``cp`` ranks of one CP group read the same micro-batches (``dp_rank / dp`` of the
+stage's :class:`~.dist.Layout`) and each keeps its contiguous slice (``shard_thd_batch``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..workspace import Workspace
-from .dist import DistInfo
+from .dist import DistInfo, Layout
 
 
 def prepare_for_run(recipe: Any, meta: dict[str, Any], run_dir: Path, info: DistInfo) -> Any:
@@ -41,8 +43,8 @@ def prepare_for_run(recipe: Any, meta: dict[str, Any], run_dir: Path, info: Dist
     return ds if ds is not None else prepare_dataset(recipe.data, tokenizer, workspace=ws)
 
 
-def stage_loader(dataset: Any, recipe: Any, plan: Any, info: DistInfo, *, valid: bool = False) -> Any:
-    """A ``PackedBatchLoader`` for ``plan`` (its seq_len and micro-batch size), sharded over DP ranks.
+def stage_loader(dataset: Any, recipe: Any, plan: Any, layout: Layout, *, valid: bool = False) -> Any:
+    """A ``PackedBatchLoader`` for ``plan`` (its seq_len and micro-batch size), sharded over DP replicas.
 
     All stages read one data stream (seed ``data.seed``): the job hands the previous stage's loader
     state to the next stage's loader, which continues with the first token not yet consumed.
@@ -50,8 +52,8 @@ def stage_loader(dataset: Any, recipe: Any, plan: Any, info: DistInfo, *, valid:
     from ..data.packing import PackedBatchLoader
 
     prefix = dataset.valid_prefix if valid else dataset.train_prefix
-    return PackedBatchLoader(prefix, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=info.rank,
-                             dp_size=info.world, micro_batch_size=plan.micro_batch, shuffle=not valid)
+    return PackedBatchLoader(prefix, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=layout.dp_rank,
+                             dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -62,20 +64,36 @@ def to_device(batch: Any, device: torch.device) -> Any:
                                cu_seqlens=batch.cu_seqlens.to(device))
 
 
-def micro_batches(it: Iterator[Any], plan: Any, device: torch.device) -> list[Any]:
-    """The ``accum`` micro-batches of one step on this rank."""
-    return [to_device(next(it), device) for _ in range(plan.accum)]
+def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:
+    """This CP rank's contiguous rows of a packed micro-batch (the batch itself when cp = 1).
+
+    ``tokens`` / ``labels`` become the rank's ``L = T / cp`` rows (labels were shifted globally
+    by the loader); ``cu_seqlens``, ``max_seqlen`` and ``num_real_tokens`` stay GLOBAL (the
+    model needs the global table; the step counts each token once by dividing by cp).
+    """
+    if layout.cp == 1:
+        return batch
+    from ..model.parallel import shard_thd_batch
+
+    local = shard_thd_batch(batch.tokens, batch.labels, batch.cu_seqlens, layout.cp_rank, layout.cp,
+                            boundary=boundary)
+    return dataclasses.replace(batch, tokens=local.tokens, labels=local.labels)
 
 
-def eval_batches(dataset: Any, recipe: Any, plan: Any, info: DistInfo, device: torch.device,
+def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: Layout, boundary: int) -> list[Any]:
+    """The ``accum`` micro-batches of one step on this rank (its CP slice of each)."""
+    return [to_device(cp_slice(next(it), layout, boundary), device) for _ in range(plan.accum)]
+
+
+def eval_batches(dataset: Any, recipe: Any, plan: Any, layout: Layout, device: torch.device, boundary: int,
                  max_batches: int = 8) -> list[Any]:
     """Up to ``max_batches`` held-out micro-batches of one pass (dataset order; same count on every rank)."""
     if dataset.valid_prefix is None:
         return []
-    loader = stage_loader(dataset, recipe, plan, info, valid=True)
+    loader = stage_loader(dataset, recipe, plan, layout, valid=True)
     out = []
     for batch in loader.evaluation_batches():
         if len(out) >= max_batches:
             break
-        out.append(to_device(batch, device))
+        out.append(to_device(cp_slice(batch, layout, boundary), device))
     return out

@@ -1,17 +1,37 @@
-"""Process-group set-up and the few collectives the job needs (data parallel only, for now).
+"""Process-group set-up, the rank layout of each stage and the few collectives the job needs.
 
 The rendezvous comes from the environment (torchrun, the local launcher or Slurm via
 v4launch.slurm): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Backend: nccl
-when CUDA is available, else gloo. Gradients are averaged by one flat all-reduce per step
-(instead of DDP, whose buckets would have to be rebuilt when a phase change adds the indexer
-parameters); every parameter has a gradient tensor on every rank (zeros where unused), so
-the collective sees the same tensors everywhere.
+when CUDA is available, else gloo.
+
+Rank layout (docs/training.md "Data and context parallelism"): the world size ``W`` is fixed
+for the run; a stage with context-parallel size ``cp`` has ``dp = W / cp`` data-parallel
+replicas and lays the ranks out as ``[dp][cp]``, CP innermost and contiguous::
+
+    rank = dp_rank * cp + cp_rank          CP group d: ranks d*cp .. d*cp + cp - 1
+                                           DP group c: ranks c, cp + c, 2*cp + c, ...
+
+so with one node per CP group the boundary exchange and the all-gather stay on the node.
+The CP groups of every CP size the curriculum uses are created once at start-up
+(:class:`Groups`; ``new_group`` is collective over the whole world, so every rank creates
+every group in the same order).
+
+Gradients: every parameter has a gradient tensor on every rank (zeros where unused) and one
+flat all-reduce SUM over the WORLD, divided by ``dp``, replaces "SUM over CP, then mean over
+DP" (:func:`average_grads`). Proof: with ``g[d][c]`` the gradient of DP replica ``d``, CP rank
+``c``, the CP sum gives ``G[d] = Σ_c g[d][c]`` on every rank of CP group ``d``; the DP mean
+gives ``(1/dp) Σ_d G[d] = (1/dp) Σ_d Σ_c g[d][c] = (1/dp) Σ_world g``, the same on every
+rank. (DP groups are therefore never built.) Scalars the model returns replicated on every
+CP rank (all losses) average to their DP mean over the world: ``Σ_world x / W = Σ_d cp·x[d] /
+(dp·cp)``. Instead of DDP (whose buckets would have to be rebuilt when a phase change adds
+the indexer parameters) this is one flat all-reduce per step with a fixed order.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +84,77 @@ def teardown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+def cp_group_ranks(world: int, cp: int) -> list[list[int]]:
+    """The CP groups of a stage: ``[[d*cp + c for c in range(cp)] for d in range(world // cp)]``.
+
+    Raises:
+        ValueError: ``cp`` does not divide ``world``.
+    """
+    if cp < 1 or world % cp:
+        raise ValueError(f"cp={cp} does not divide the world size {world}")
+    return [[d * cp + c for c in range(cp)] for d in range(world // cp)]
+
+
+def dp_group_ranks(world: int, cp: int) -> list[list[int]]:
+    """The DP groups of a stage (ranks with the same CP rank): ``[[d*cp + c for d in range(dp)] for c]``."""
+    if cp < 1 or world % cp:
+        raise ValueError(f"cp={cp} does not divide the world size {world}")
+    return [[d * cp + c for d in range(world // cp)] for c in range(cp)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in one stage's ``[dp][cp]`` grid (see the module docstring).
+
+    Attributes:
+        world, dp, cp: sizes (``world = dp · cp``; tp = pp = 1).
+        dp_rank, cp_rank: ``divmod(rank, cp)``; the data loader is sharded by ``dp_rank / dp``.
+        hooks: what the model gets as ``cp=``: a ``ContextParallelGroup`` over this rank's CP
+            group when ``cp > 1``, else the single-device default.
+    """
+
+    world: int
+    dp: int
+    cp: int
+    dp_rank: int
+    cp_rank: int
+    hooks: Any
+
+    def describe(self) -> str:
+        """``dp 2 x cp 1`` (for log lines)."""
+        return f"dp {self.dp} x cp {self.cp}"
+
+
+class Groups:
+    """The CP process groups of every CP size in ``cp_sizes``, created once on every rank.
+
+    ``layout(cp)`` returns this rank's :class:`Layout` for a stage with that CP size.
+    """
+
+    def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int]) -> None:
+        from ..model.parallel import SINGLE_DEVICE
+
+        self.info = info
+        self._hooks: dict[int, Any] = {1: SINGLE_DEVICE}
+        for cp in sorted(set(cp_sizes) - {1}):
+            mine = None
+            for ranks in cp_group_ranks(info.world, cp):  # collective: same groups, same order on every rank
+                group = dist.new_group(ranks)
+                if info.rank in ranks:
+                    mine = group
+            from ..model.parallel import ContextParallelGroup
+
+            self._hooks[cp] = ContextParallelGroup(mine)
+
+    def layout(self, cp: int) -> Layout:
+        """This rank's layout for a stage of CP size ``cp`` (one of ``cp_sizes``)."""
+        world = self.info.world
+        if cp not in self._hooks:
+            raise ValueError(f"no CP groups of size {cp} were built (sizes: {sorted(self._hooks)})")
+        dp_rank, cp_rank = divmod(self.info.rank, cp)
+        return Layout(world=world, dp=world // cp, cp=cp, dp_rank=dp_rank, cp_rank=cp_rank, hooks=self._hooks[cp])
+
+
 def fill_missing_grads(params: list[torch.Tensor]) -> None:
     """Give every parameter a gradient tensor (zeros where the step did not reach it)."""
     for p in params:
@@ -71,14 +162,21 @@ def fill_missing_grads(params: list[torch.Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def average_grads(params: list[torch.Tensor], info: DistInfo) -> None:
-    """Average gradients over the data-parallel ranks with one flat all-reduce (fixed order)."""
+def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = None) -> None:
+    """SUM gradients over each CP group and average them over the ``dp`` data-parallel replicas.
+
+    One flat all-reduce SUM over the world (fixed order) divided by ``dp`` (default: the world,
+    i.e. cp = 1); equal to CP-sum + DP-mean (module docstring). Float32 buffer (float64 when a
+    gradient is float64).
+    """
     if not info.active:
         return
+    dp = info.world if dp is None else dp
     grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat)
-    flat /= info.world
+    flat /= dp
     offset = 0
     for g in grads:
         n = g.numel()
@@ -87,7 +185,8 @@ def average_grads(params: list[torch.Tensor], info: DistInfo) -> None:
 
 
 def sum_tensors(tensors: list[torch.Tensor], info: DistInfo) -> None:
-    """All-reduce (sum) ``tensors`` in place, e.g. the experts' token counts before the bias update."""
+    """All-reduce (sum) ``tensors`` in place over the world, e.g. the experts' token counts before the
+    bias update (each rank counts only its own rows, so the world sum is the global load under CP)."""
     if info.active:
         for t in tensors:
             dist.all_reduce(t)

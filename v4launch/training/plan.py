@@ -19,10 +19,12 @@ from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage, resolved for a world of ``dp`` data-parallel ranks.
+    """One stage, resolved for the run's world: ``dp = world / cp`` data-parallel replicas of ``cp`` ranks.
 
     Attributes:
         index, name, phase, seq_len: from the stage (seq_len in tokens per packed sequence).
+        cp: context-parallel size of the stage (``stage.cp`` or ``parallel.cp``).
+        dp: data-parallel size of the stage = world / cp.
         steps: optimizer steps of the stage (``steps``, or ``ceil(tokens / (global_batch·seq_len))``).
         first_step: global step at which the stage starts.
         global_batch: packed sequences per optimizer step (all ranks).
@@ -35,6 +37,8 @@ class StagePlan:
     name: str
     phase: str
     seq_len: int
+    cp: int
+    dp: int
     steps: int
     first_step: int
     global_batch: int
@@ -53,13 +57,18 @@ class StagePlan:
         return self.global_batch * self.seq_len
 
 
-def plan_curriculum(recipe: Any, dp: int) -> list[StagePlan]:
-    """Resolve every stage of ``recipe`` for ``dp`` data-parallel ranks (tp = pp = 1).
+CP_BACKENDS = ("reference",)
+"""Attention kernel backends the context-parallel path runs with (the fused kernels have no boundary rows)."""
+
+
+def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
+    """Resolve every stage of ``recipe`` for a run of ``world`` ranks (tp = pp = 1, dp = world / cp per stage).
 
     Raises:
-        ContractViolation: a stage with cp > 1 (context parallelism is not available yet), a
-            tp/pp > 1 recipe, a global batch not divisible by micro_batch · dp, or a stage whose
-            indexer_loss override the bundled model cannot follow.
+        ContractViolation: a tp/pp > 1 recipe; a stage whose cp does not divide the world, whose
+            packed sequence does not split into cp slices of at least the boundary width, or that
+            asks for CP with a fused kernel backend (triton / cudnn); a global batch not divisible
+            by micro_batch · dp; a stage whose indexer_loss override the bundled model cannot follow.
     """
     if recipe.parallel.tp != 1 or recipe.parallel.pp != 1:
         raise ContractViolation(
@@ -68,11 +77,8 @@ def plan_curriculum(recipe: Any, dp: int) -> list[StagePlan]:
     plans, step = [], 0
     for i, st in enumerate(recipe.curriculum.stages):
         cp = recipe.stage_cp(st)
-        if cp > 1:
-            raise ContractViolation(
-                f"curriculum.stages[{i}] '{st.name}': cp={cp} — context parallelism is not available yet in "
-                "the bundled model's training job", hint=f"run stage '{st.name}' with cp=1 (curriculum.stages.{i}.cp=1) "
-                "or end the curriculum before it")
+        _check_cp(recipe, i, st, cp, world)
+        dp = world // cp
         if st.phase != "dense" and st.indexer_loss not in (None, DEFAULT_INDEXER_LOSS[st.phase]):
             raise ContractViolation(
                 f"curriculum.stages[{i}] '{st.name}': indexer_loss={st.indexer_loss!r} in phase {st.phase!r} — "
@@ -86,11 +92,39 @@ def plan_curriculum(recipe: Any, dp: int) -> list[StagePlan]:
                 f"{micro} x data-parallel size {dp}", hint="choose a global_batch_size that is a multiple of "
                 f"{micro * dp}")
         n = st.steps if st.steps is not None else math.ceil(st.tokens / (gbs * st.seq_len))
-        plans.append(StagePlan(index=i, name=st.name, phase=st.phase, seq_len=st.seq_len, steps=n, first_step=step,
+        plans.append(StagePlan(index=i, name=st.name, phase=st.phase, seq_len=st.seq_len, cp=cp, dp=dp, steps=n,
+                               first_step=step,
                                global_batch=gbs, micro_batch=micro, accum=gbs // (micro * dp),
                                peak_lr=st.lr if st.lr is not None else recipe.optimizer.lr))
         step += n
     return plans
+
+
+def _check_cp(recipe: Any, i: int, st: Any, cp: int, world: int) -> None:
+    """Refuse a stage's CP size the job cannot run (the validator's V4-CP-* rules, checked again here)."""
+    where = f"curriculum.stages[{i}] '{st.name}'"
+    if cp < 1 or world % cp:
+        raise ContractViolation(
+            f"{where}: cp={cp} does not divide the world size {world} (cluster.nodes x cluster.gpus_per_node)",
+            hint=f"choose a cp that divides {world} (curriculum.stages.{i}.cp), or change cluster.gpus_per_node")
+    if cp == 1:
+        return
+    backend = st.kernel_backend or recipe.attention.kernel_backend
+    if backend not in CP_BACKENDS:
+        raise ContractViolation(
+            f"{where}: cp={cp} with attention kernel_backend={backend!r} — the fused {backend} kernels have no "
+            "context-parallel path yet (no left-boundary rows); CP runs on the reference kernels",
+            hint=f"set curriculum.stages.{i}.kernel_backend=reference for this stage, or run it with cp=1")
+    from ..validators.derived import boundary_width
+
+    rows = st.seq_len * recipe.parallel.micro_batch_size
+    m = recipe.model
+    width = boundary_width(m.window_size, tuple(m.compress_ratios))
+    if rows % cp or rows // cp < width:
+        raise ContractViolation(
+            f"{where}: a micro-batch of {rows} packed tokens does not split into cp={cp} equal slices of at least "
+            f"the boundary width {width} (max(window_size, compressor context))",
+            hint=f"raise curriculum.stages.{i}.seq_len to a multiple of {cp} that is >= {width * cp}, or lower cp")
 
 
 class LRSchedule:

@@ -8,9 +8,10 @@ Decision (docs/training.md "How resume decides"):
 3. the target stage is ``--stage`` (index or name), or the first stage with ``--phase`` at or after
    the checkpoint's stage (before it only as a regression), or else where the checkpoint left off
    (the next stage when it was saved at its stage's end);
-4. ``v4launch.checkpoints.check_resume`` compares the manifest with that target: every aspect is
-   safe, reshard (DP / world size changes; DCP redistributes) or refused with the ``--allow-*``
-   flag that overrides it;
+4. ``v4launch.checkpoints.check_resume`` compares the manifest with that target (the target
+   stage's ``dp = world / cp`` and ``cp``): every aspect is safe, reshard (DP / CP / world size
+   changes; DCP redistributes, the data loader continues from its global position) or refused
+   with the ``--allow-*`` flag that overrides it;
 5. on success resume.json records the checkpoint, the target stage and the flags; the job honours
    it once on its next start (it is renamed resume.done.json).
 """
@@ -82,7 +83,7 @@ def target_stage(recipe: Any, manifest: Any, *, stage: str | None, phase: str | 
     idx = min(manifest.stage_index, len(recipe.curriculum.stages) - 1)
     from .plan import plan_curriculum
 
-    plans = plan_curriculum(recipe, dp=recipe.cluster.world_size)
+    plans = plan_curriculum(recipe, recipe.cluster.world_size)
     done = int(manifest.extra.get("step_in_stage", 0)) >= plans[idx].steps
     return (idx + 1 if done and idx + 1 < len(plans) else idx), False
 
@@ -134,10 +135,14 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     idx, explicit = target_stage(recipe, manifest, stage=stage, phase=phase)
     target_phase = recipe.curriculum.stages[idx].phase
     world = recipe.cluster.world_size
+    from .plan import plan_curriculum
+
+    target = plan_curriculum(recipe, world)[idx]  # the target stage's dp x cp (refuses what the job cannot run)
     groups = param_groups_for(recipe, target_phase, manifest, recipe_hash(recipe) == manifest.recipe_hash)
     try:
         report = check_resume(manifest, recipe=recipe, target_stage_index=idx, target_phase=target_phase,
-                              parallel_sizes={"world": world, "dp": world, "cp": 1, "pp": 1, "tp": 1, "ep": 1},
+                              parallel_sizes={"world": world, "dp": target.dp, "cp": target.cp, "pp": 1, "tp": 1,
+                                              "ep": 1},
                               tokenizer_fingerprint=get_tokenizer(recipe.data.tokenizer).fingerprint(),
                               param_groups=groups, allow=set(allow))
     except ValueError as exc:

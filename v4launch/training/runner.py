@@ -14,8 +14,9 @@ from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoin
 from ..checkpoints.stateful import ModelState, OptimizerState
 from ..errors import RefusedError
 from ..model import V4Model
+from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
-from .dist import DistInfo, any_rank
+from .dist import DistInfo, Groups, Layout, any_rank
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
@@ -32,8 +33,11 @@ class Runner:
         self.run, self.recipe, self.info, self.dataset = run, run.recipe, info, dataset
         set_determinism(self.recipe.run.deterministic, self.recipe.run.threads)
         self.plans: list[StagePlan] = plan_curriculum(self.recipe, info.world)
+        self.groups = Groups(info, {p.cp for p in self.plans})  # collective: every rank, same order
+        self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
         self.args = model_args_from_recipe(self.recipe)
+        self.boundary = boundary_width(self.args.window_size, self.args.compress_ratios)
         self.autocast = autocast_for(self.recipe.precision.dtype, info.device)
         self.ckpt_root = run.paths.checkpoints
         self.metrics: Any = None
@@ -59,7 +63,7 @@ class Runner:
     # ------------------------------------------------------------ build / load
     def _build(self, phase: str) -> None:
         chunk = self.recipe.attention.kl_chunk_size
-        self.model = V4Model(self.args, phase=phase, chunk_size=chunk).to(self.info.device)
+        self.model = V4Model(self.args, phase=phase, chunk_size=chunk, cp=self.layout.hooks).to(self.info.device)
         self.opt = Optimizers(self.model, self.recipe.optimizer)
         self.progress.phase = phase
 
@@ -122,23 +126,36 @@ class Runner:
     def announce_start(self) -> None:
         p = self.progress
         where = f"resumed from {self.resumed_from.name}" if self.resumed_from else "fresh start"
+        plan = self.plans[min(p.stage_index, len(self.plans) - 1)]
         self.metrics.event(p.step, "start", f"run {self.run.paths.root.name}: {where} at step {p.step}, stage "
-                           f"{self.plans[min(p.stage_index, len(self.plans) - 1)].name}, phase {p.phase}, "
-                           f"world {self.info.world}", resumed_from=str(self.resumed_from or ""))
+                           f"{plan.name}, phase {p.phase}, world {self.info.world} (dp {plan.dp} x cp {plan.cp})",
+                           resumed_from=str(self.resumed_from or ""))
 
     def enter_stage(self, plan: StagePlan) -> None:
-        """Phase change (if the stage needs one), stage seed at its start, and its data loader."""
+        """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""
         if self.model.phase != plan.phase:
             self._change_phase(plan.phase)
+        self._set_layout(plan)
         if self.progress.step_in_stage == 0:
             seed_everything(stage_seed(self.recipe.run.seed, plan.index))
         previous = self.loader.state_dict() if self.loader is not None else self._saved_loader
-        self.loader = stage_loader(self.dataset, self.recipe, plan, self.info)
+        self.loader = stage_loader(self.dataset, self.recipe, plan, self.layout)
         if previous is not None:
             self.loader.load_state_dict(previous)
         self._saved_loader = None
         self.loader_stage = plan.index
         self.batches = iter(self.loader)
+
+    def _set_layout(self, plan: StagePlan) -> None:
+        """The stage's ``[dp][cp]`` layout; the model gets the stage's CP hooks (same parameters)."""
+        old = self.layout
+        self.layout = self.groups.layout(plan.cp)
+        self.model.cp = self.layout.hooks
+        if (old.dp, old.cp) != (self.layout.dp, self.layout.cp):
+            step = self.progress.step
+            self.metrics.event(step, "layout", f"stage {plan.name}: {old.describe()} -> {self.layout.describe()} "
+                               f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
+                               f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp)
 
     def _change_phase(self, phase: str) -> None:
         old = self.model.phase
@@ -186,16 +203,17 @@ class Runner:
         self.opt.set_lr(lr, muon_lr)
         weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
         t0 = time.monotonic()
-        batches = micro_batches(self.batches, plan, self.info.device)
+        batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary)
         stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
                            grad_clip=self.recipe.optimizer.grad_clip,
-                           bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast)
+                           bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast,
+                           cp=plan.cp)
         dt = time.monotonic() - t0
         p = self.progress
         p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \
             p.elapsed_s + dt
         rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
-               "step": p.step, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
+               "step": p.step, "dp": plan.dp, "cp": plan.cp, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
                "aux": stats.aux, "aux_sum": stats.kinds, "aux_weighted": stats.weighted,
                "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp},
                "total_loss": stats.total, "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(dt, 1e-9),
@@ -206,7 +224,7 @@ class Runner:
 
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
-        batches = eval_batches(self.dataset, self.recipe, plan, self.info, self.info.device)
+        batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
         result = evaluate(self.model, batches, self.info, self.autocast)
         if result:
             self.metrics.eval({"kind": "eval", "stage": plan.name, "stage_index": plan.index,
@@ -227,7 +245,7 @@ class Runner:
         groups = {g["name"]: describe_params([(names[id(q)], q) for q in g["params"]]) for g in self.opt.param_groups}
         manifest = Manifest.for_recipe(
             self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
-            parallel_sizes={"world": self.info.world, "dp": self.info.world, "cp": 1, "pp": 1, "tp": 1, "ep": 1},
+            parallel_sizes={"world": self.info.world, "dp": plan.dp, "cp": plan.cp, "pp": 1, "tp": 1, "ep": 1},
             tokenizer_fingerprint=self.dataset.tokenizer, param_groups=groups,
             indexer_layers=csa_layer_ids(self.args.compress_ratios) if self.model.has_indexer else (),
             extra={"step_in_stage": p.step_in_stage, "model_phase": self.model.phase, "run": self.run.paths.root.name,

@@ -12,6 +12,11 @@ and the step backpropagates ``total / accum`` for each of its ``accum`` micro-ba
 LM loss and EVERY auxiliary loss carry the same 1/accum factor (seed 004 item 6c: an aux loss
 seeded at 1.0 under accumulation is ``accum`` times too strong). The raw value of every aux
 loss is reported per name and summed per kind; nothing the model returns is left out.
+
+Under context parallelism each rank forwards its contiguous slice of the micro-batch; the
+model returns GLOBAL losses (identical on every CP rank) whose backward is local, so the
+gradients are SUMMED over the CP group and averaged over the DP replicas (``average_grads``
+with ``dp``); expert loads are summed over the world; a token is counted once (÷ cp).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class StepStats:
     """Everything one step reports (losses averaged over micro-batches and data-parallel ranks).
 
     ``aux``: raw value per aux-loss name. ``kinds``: raw sum per kind. ``weighted``: coefficient · kind sum.
-    ``total``: lm_loss + Σ weighted. ``tokens``: training tokens of the step (all ranks).
+    ``total``: lm_loss + Σ weighted. ``tokens``: training tokens of the step (all DP replicas, each once).
     """
 
     lm_loss: float
@@ -107,7 +112,8 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
                autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, float], int, int]:
     """Forward + backward of each micro-batch with ``total / accum``; gradients accumulate in ``.grad``.
 
-    Returns (sum over micro-batches of each loss name's raw value, micro-batches, real tokens).
+    Returns (sum over micro-batches of each loss name's raw value, micro-batches, real tokens of the
+    micro-batches: under CP the whole micro-batch's, ``num_real_tokens`` stays global).
 
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
@@ -130,21 +136,23 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
 
 def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
                weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> StepStats:
-    """Forward/backward ``accum`` micro-batches, average grads over ranks, clip, step, update router biases.
+               autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1) -> StepStats:
+    """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases.
 
     Args:
         micro_batches: ``accum`` packed batches (``tokens`` [T], ``labels`` [T], ``cu_seqlens`` [N+1],
-            ``max_seqlen``) on the model's device.
+            ``max_seqlen``) on the model's device; under CP ``tokens`` / ``labels`` are this rank's
+            ``T / cp`` rows and ``cu_seqlens`` the global table.
         accum: micro-batches per step on this rank; every loss term is scaled by 1/accum.
         grad_clip: global L2 norm clip (0 = no clipping; the norm is still reported).
         bias_speed: aux-loss-free router bias speed gamma (expert loads summed over ranks first).
+        cp: context-parallel size of the stage (the world holds ``dp = world / cp`` replicas).
     """
     model.train()
     sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
     params = opt.params
     fill_missing_grads(params)
-    average_grads(params, info)
+    average_grads(params, info, dp=info.world // cp)
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
     opt.step()
     opt.zero_grad()
@@ -152,14 +160,16 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     model.update_router_bias(bias_speed)
     stats = _stats(sums, n, weights, info)
     stats.grad_norm = float(norm)
-    stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info)["tokens"] * info.world)
+    # every rank of a CP group reports its micro-batches' (global) token count: count them once
+    stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info)["tokens"] * info.world / cp)
     return stats
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
              autocast: Callable[[], contextlib.AbstractContextManager]) -> dict[str, float]:
-    """Mean held-out LM loss (nats/token) and MTP losses over ``batches`` (averaged over ranks)."""
+    """Mean held-out LM loss (nats/token) over ``batches`` (averaged over ranks; under CP every rank of a
+    CP group holds the same global value, so the world mean is the mean over DP replicas)."""
     model.eval()
     sums: dict[str, float] = {}
     n = 0
