@@ -19,7 +19,7 @@ in chunks of ``chunk_size`` rows, so no [T, T] or [T, H, all entries] tensor exi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 from torch import nn
@@ -28,9 +28,13 @@ from .args import ModelArgs
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
+from .kernels.layer import attention_forward
 from .packing import CompressPlan, EntryMemory, Pack, entry_range, visible_table
 from .parallel import SINGLE_DEVICE, ContextParallel, Shard
 from .rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from .kernels.dispatch import Backend
 
 KLTarget = Literal["visible", "selected"]
 
@@ -43,7 +47,8 @@ class BatchContext:
     (warm-up: dense teacher over all visible entries) or "selected" (sparse: teacher over
     the selected set). ``chunk_size``: query rows per chunk. ``cp``: context-parallel hooks
     (single-device no-op by default). ``shard``: the CP view of the batch
-    (``cp.shard(...)``; on one device built from ``pack``: no boundary rows).
+    (``cp.shard(...)``; on one device built from ``pack``: no boundary rows). ``kernels``:
+    a fused backend from ``kernels.dispatch.select_backend`` (None: the reference path).
     """
 
     pack: Pack
@@ -52,6 +57,7 @@ class BatchContext:
     chunk_size: int = 256
     cp: ContextParallel = SINGLE_DEVICE
     shard: Optional[Shard] = None
+    kernels: Optional["Backend"] = None  # fused attention kernels; None = the reference code below
     _plans: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 
@@ -136,6 +142,8 @@ class Attention(FP32Pinned):
         The KL is None without an indexer; with one it is the mean over queries that
         have at least one candidate (an explicit zero when the batch has no entry).
         """
+        if ctx.kernels is not None:  # one dispatch point for the fused kernels (docs/kernels.md)
+            return attention_forward(self, x, ctx, ctx.kernels)
         T, H, D = x.shape[0], self.n_heads, self.head_dim  # T: this rank's rows
         acc = acc_dtype(x.dtype)
         cos, sin = ctx.cos_sin(self.rope, x.dtype)  # [T, rd/2]

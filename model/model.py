@@ -22,6 +22,7 @@ from .args import ModelArgs
 from .attention import Attention, BatchContext
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear
 from .indexer import Indexer
+from .kernels.dispatch import BACKEND_NAMES, Backend, select_backend
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
@@ -119,8 +120,14 @@ class V4Model(FP32Pinned):
             ``parallel.ContextParallelGroup(group)`` each rank passes its contiguous slice
             of tokens/labels and the GLOBAL cu_seqlens, and every loss is the global
             value (docs/context_parallel.md).
+        kernel_backend: attention kernels, the recipe's ``attention.kernel_backend``:
+            "reference" (plain PyTorch, any device), "triton" (fused kernels on SM90; on any
+            other device the reference path runs and :attr:`kernel_backend_reason` says why),
+            "cudnn" (FlashMLA + cuDNN DSA, not shipped: the first forward raises
+            ``kernels.BackendUnavailable``). Resolved per device on the first forward
+            (docs/kernels.md).
     Raises:
-        ValueError: unknown phase.
+        ValueError: unknown phase or kernel backend name.
 
     Parameter names and shapes follow the released checkpoint after ``convert.py``
     (``embed.weight``, ``layers.N.*``, ``norm.weight``, ``head.weight``, ``hc_head_*``,
@@ -133,9 +140,14 @@ class V4Model(FP32Pinned):
     _fp32_names = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
     def __init__(self, args: ModelArgs, phase: Phase = "dense", *, chunk_size: int = 256,
-                 cp: Optional[ContextParallel] = None) -> None:
+                 cp: Optional[ContextParallel] = None, kernel_backend: str = "reference") -> None:
         super().__init__()
         _check_phase(phase)
+        if kernel_backend not in BACKEND_NAMES:
+            raise ValueError(f"kernel_backend={kernel_backend!r}: must be one of {BACKEND_NAMES}. "
+                             "Fix: use the recipe's attention.kernel_backend values.")
+        self.kernel_backend = kernel_backend
+        self._backends: dict[str, Backend] = {}
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be >= 1. Fix: pass a positive number of query rows.")
         self.args, self.phase, self.chunk_size, self.cp = args, phase, chunk_size, cp or SINGLE_DEVICE
@@ -198,6 +210,21 @@ class V4Model(FP32Pinned):
         self.phase = phase
 
     # ---------------------------------------------------------------- forward
+    def _kernels(self, device: torch.device) -> Optional[Backend]:
+        """The kernel backend for ``device`` (None = the reference path in attention.py), cached per device."""
+        if self.kernel_backend == "reference":
+            return None
+        key = str(device)
+        if key not in self._backends:
+            self._backends[key] = select_backend(self.kernel_backend, device)
+        backend = self._backends[key]
+        return None if backend.name == "reference" else backend
+
+    @property
+    def kernel_backend_reason(self) -> str:
+        """Why each device runs the backend it runs (empty before the first forward)."""
+        return "; ".join(f"{dev}: {b.name} ({b.reason})" for dev, b in self._backends.items())
+
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 labels: Optional[torch.Tensor] = None, return_logits: bool = False) -> ModelOutput:
         """Packed forward.
@@ -217,7 +244,7 @@ class V4Model(FP32Pinned):
         pack = shard.pack
         check_ids(tokens, labels, self.args.vocab_size)
         ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
-                           self.chunk_size, self.cp, shard)
+                           self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device))
         h = self.embed(tokens)  # [T, dim]
         h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
         aux: dict[str, torch.Tensor] = {}
