@@ -5,7 +5,8 @@
 * ``local`` — :class:`LocalLauncher` (this file): world size = cluster.nodes · cluster.gpus_per_node
   of the run's recipe, fixed for the whole run (each stage splits it into dp = world / cp data-parallel
   replicas of cp context-parallel ranks); 1 → ``train()`` in this process; > 1 → that many worker
-  processes on this host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set.
+  processes on this host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set;
+  rank 0's output (logs/worker0.out, its plain log lines) is echoed to the console while they run.
 * ``slurm`` — ``v4launch.slurm.launcher.SlurmLauncher`` (imported lazily, only for Slurm runs).
 
 Every launcher records what it did in ``<run>/launch.json`` (state, pid or job id, result) so that
@@ -219,6 +220,8 @@ class LocalLauncher(Launcher):
         logs = RunPaths(run_dir).logs
         logs.mkdir(exist_ok=True)
         procs = []
+        rank0_out = logs / "worker0.out"
+        echo_from = rank0_out.stat().st_size if rank0_out.is_file() else 0
         for rank in range(world):
             out = (logs / f"worker{rank}.out").open("a")
             procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
@@ -226,7 +229,7 @@ class LocalLauncher(Launcher):
         record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[p.pid for p in procs], world_size=world,
                       result=None)
         try:
-            codes = [p.wait() for p in procs]
+            codes = self._wait_echoing(procs, rank0_out, echo_from)
         except KeyboardInterrupt:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -241,6 +244,28 @@ class LocalLauncher(Launcher):
         result = TrainResult.from_json(json.loads(result_file.read_text()))
         record_launch(run_dir, state=result.status, result=result.to_json(), exit_codes=codes)
         return result
+
+    @staticmethod
+    def _wait_echoing(procs: list[subprocess.Popen], rank0_out: Path, offset: int, poll_s: float = 0.5) -> list[int]:
+        """Wait for every worker, copying what rank 0 writes (its log lines) to this process's stdout."""
+        def echo() -> None:
+            nonlocal offset
+            try:
+                with rank0_out.open(errors="replace") as f:
+                    f.seek(offset)
+                    text = f.read()
+                    offset = f.tell()
+            except OSError:
+                return
+            if text:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+        while any(p.poll() is None for p in procs):
+            echo()
+            time.sleep(poll_s)
+        echo()
+        return [p.wait() for p in procs]
 
     def status(self, run_dir: Path) -> RunStatus:
         """State from launch.json; a 'running' run whose processes are gone reads 'died'."""

@@ -151,3 +151,22 @@ def test_two_process_stop_inside_the_cp_stage_resumes_bitwise(new_run, switch_re
     assert losses(recs) == losses(train_records(switch_reference))
     steps = [recs[s]["tokens"] - recs.get(s - 1, {"tokens": 0})["tokens"] for s in sorted(recs)]
     assert all(0 < t <= 2 * 64 for t in steps[:6]) and all(2 * 128 < t <= 2 * 256 for t in steps[6:]), steps
+
+
+def test_rank_layout_is_dp_major_with_contiguous_cp_groups_and_the_world_sum_over_dp_is_cp_sum_dp_mean():
+    import torch
+
+    from v4launch.training.dist import cp_group_ranks, dp_group_ranks
+
+    assert cp_group_ranks(4, 2) == [[0, 1], [2, 3]] and dp_group_ranks(4, 2) == [[0, 2], [1, 3]]
+    assert cp_group_ranks(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]] and dp_group_ranks(2, 1) == [[0, 1]]
+    assert cp_group_ranks(2, 2) == [[0, 1]] and dp_group_ranks(2, 2) == [[0], [1]]
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        cp_group_ranks(4, 3)
+    world, cp = 8, 4
+    dp = world // cp
+    g = torch.randn(world, 5, dtype=torch.float64)  # g[rank]: rank = dp_rank * cp + cp_rank
+    cp_sum = {r: sum(g[q] for q in group) for group in cp_group_ranks(world, cp) for r in group}
+    cp_then_dp = {r: sum(cp_sum[q] for q in group) / dp for group in dp_group_ranks(world, cp) for r in group}
+    for r in range(world):
+        torch.testing.assert_close(cp_then_dp[r], g.sum(0) / dp)

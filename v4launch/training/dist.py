@@ -132,7 +132,7 @@ class Groups:
     """
 
     def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int]) -> None:
-        from ..model.parallel import SINGLE_DEVICE
+        from ..model.parallel import SINGLE_DEVICE, ContextParallelGroup
 
         self.info = info
         self._hooks: dict[int, Any] = {1: SINGLE_DEVICE}
@@ -142,8 +142,6 @@ class Groups:
                 group = dist.new_group(ranks)
                 if info.rank in ranks:
                     mine = group
-            from ..model.parallel import ContextParallelGroup
-
             self._hooks[cp] = ContextParallelGroup(mine)
 
     def layout(self, cp: int) -> Layout:
