@@ -115,8 +115,11 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
         return True
 
     def _after_train(self, run_dir: Path, job_id: str, recipe: Any, result: Any, signal_name: str) -> None:
+        # Training is over: a late notice is moot, and Slurm signals every process of the step, so the
+        # sbatch / scontrol children started below must not die of it (ignored dispositions are inherited).
+        signal.signal(submitit.JobEnvironment._usr_sig(), signal.SIG_IGN)
         where = {"stage": result.stage_index, "step": result.step}
-        ckpt = f"checkpoint {result.checkpoint}" if result.checkpoint else "no checkpoint"
+        ckpt = f"checkpoint {Path(result.checkpoint).name}" if result.checkpoint else "no checkpoint"
         if result.status == "completed":
             ledger.append(run_dir, job_id, "completed", detail=ckpt, **where)
         elif result.status == "max_steps":
@@ -133,7 +136,7 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
     def _after_stop(self, run_dir: Path, job_id: str, recipe: Any, signal_name: str, where: dict, ckpt: str) -> None:
         events = ledger.read(run_dir)
         ledger.append(run_dir, job_id, "signal", detail=f"{signal_name}: stopped after the step; {ckpt}", **where)
-        state = query.controller_state(job_id)
+        state = query.stop_state(job_id, query.restart_count())
         decision = after_stop(signal_name, state, ledger.restarts_used(events), recipe.slurm.max_restarts,
                               cancel=ledger.cancel_requested(events, job_id),
                               time_left_s=query.time_left_s(job_id), signal_delay_s=recipe.slurm.signal_delay_s)

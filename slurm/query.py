@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from typing import Iterable
 
 from .states import parse_duration
@@ -64,16 +65,48 @@ def current_states(job_ids: Iterable[str]) -> dict[str, str]:
     return {j: queued.get(j) or done.get(j, {}).get("State") or "UNKNOWN" for j in ids}
 
 
-def controller_state(job_id: str) -> str | None:
-    """The job's base state as slurmctld holds it now (``scontrol show job``), e.g. CANCELLED while
-    the job is still completing, PENDING right after a requeue; None if unknown."""
+def controller_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s fields (JobState, Restarts, ...) as slurmctld holds them now; {} if unknown."""
     proc = _run(["scontrol", "-o", "show", "job", str(job_id)])
     if proc is None or proc.returncode != 0:
-        return None
-    for token in proc.stdout.split():
-        if token.startswith("JobState="):
-            return token.split("=", 1)[1]
-    return None
+        return {}
+    return dict(tok.split("=", 1) for tok in proc.stdout.split() if "=" in tok)
+
+
+def controller_state(job_id: str) -> str | None:
+    """The job's base state in slurmctld (e.g. COMPLETING while it is being killed); None if unknown."""
+    return controller_info(job_id).get("JobState")
+
+
+_WHY_ENDED = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "FAILED", "BOOT_FAIL"})
+
+
+def stop_state(job_id: str, restart_count: int, wait_s: float = 5.0) -> str | None:
+    """Why Slurm is ending a signalled job, as seen from inside it: ``REQUEUED`` (Slurm requeues it:
+    its restart counter already moved), ``RUNNING`` (nobody is ending it: a notice only), one of
+    CANCELLED / TIMEOUT / PREEMPTED / NODE_FAIL, ``COMPLETING`` (ending, reason unknown) or None.
+
+    slurmctld says COMPLETING for a cancel, a time limit and a requeue alike; the restart counter
+    tells a requeue, and accounting (sacct, which may lag a little: polled up to ``wait_s``) the rest.
+    """
+    from .states import ALREADY_REQUEUED, normalise
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = controller_info(job_id)
+        if not info:
+            return None
+        state = normalise(info.get("JobState"))
+        if int(info.get("Restarts", "0") or 0) > restart_count or state in ALREADY_REQUEUED:
+            return "REQUEUED"
+        if state == "RUNNING" or state in _WHY_ENDED:
+            return state
+        acct = normalise(accounting([job_id]).get(str(job_id), {}).get("State"))
+        if acct in _WHY_ENDED:
+            return acct
+        if time.monotonic() >= deadline:
+            return state
+        time.sleep(0.5)
 
 
 def time_left_s(job_id: str) -> int | None:

@@ -95,7 +95,8 @@ def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_res
         signal_name: ``"USR2"`` (submitit's checkpoint signal: time limit or preemption notice) or
             ``"SIGTERM"`` (preemption, ``scontrol requeue``, scancel, or a time limit on clusters
             without the user signal).
-        slurm_state: the job's state as Slurm reports it now (scontrol).
+        slurm_state: why Slurm is ending the job (``query.stop_state``): REQUEUED, RUNNING,
+            CANCELLED, TIMEOUT, PREEMPTED, NODE_FAIL, COMPLETING (reason unknown) or None.
         restarts: requeues already used by the run; ``max_restarts``: slurm.max_restarts.
         cancel: ``v4launch cancel`` asked this job to stop.
         time_left_s: seconds before the job's time limit (None if unknown).
@@ -107,6 +108,11 @@ def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_res
     reason = "time limit" if near_limit else "preemption"
     if state in ALREADY_REQUEUED:
         return Decision("leave", "requeue", f"{reason} ({signal_name}): requeued by Slurm; checkpoint saved")
+    if state == "COMPLETING" and not (time_left_s is not None and time_left_s <= 5):
+        # Slurm is ending the job and nothing says it is a time limit or a preemption: never undo
+        # what may be a plain scancel by requeueing; `v4launch resume` continues the run.
+        return Decision("exit", "exit", f"ended by Slurm ({signal_name}, reason unknown); checkpoint saved, "
+                                        "not requeued")
     if restarts >= max_restarts:
         return Decision("exit", "budget_exhausted",
                         f"{reason} ({signal_name}) after {restarts} restart(s): slurm.max_restarts={max_restarts} used up")

@@ -42,7 +42,8 @@ def train(run_dir, *, stop_after_stage=False, max_steps=None, stop_event=None, p
     state = _latest(ckpt_dir)
     stages = recipe.curriculum.stages
     interval = recipe.checkpointing.interval_steps
-    metrics = (run_dir / "metrics.jsonl").open("a", buffering=1)
+    metrics = (run_dir / "metrics.jsonl").open("a", buffering=1) if os.environ.get("RANK", "0") == "0" \
+        else open(os.devnull, "w")
     metrics.write(json.dumps({"kind": "event", "event": "start", "step": state["step"],
                               "resumed_from": state["step"], "job": os.environ.get("SLURM_JOB_ID")}) + "\n")
     last = None

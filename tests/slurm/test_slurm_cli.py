@@ -31,11 +31,12 @@ def ws(tmp_path):
 
 
 def test_dry_run_prints_the_exact_script_and_submits_nothing(ws):
-    out = cli("submit", TINY, "--nodes", "2", "slurm.partition=gpu nodes", "slurm.time_min=30", "--dry-run", cwd=ws)
+    out = cli("submit", TINY, "--nodes", "2", "slurm.partition=gpu nodes", "slurm.time_min=30", "--dry-run",
+              "parallel.global_batch_size=8", "curriculum.stages.2.global_batch_size=8", cwd=ws)
     assert out.returncode == 0, out.stderr
     script = out.stdout
     assert script.startswith("#!/bin/bash\n") and "dry run: nothing submitted" in out.stderr
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition='gpu nodes'",
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition='gpu nodes'",
                  "#SBATCH --time=30", "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append"):
         assert line in script.splitlines(), line
     assert "--gpus-per-node" not in script and "submitit.core._submit" in script

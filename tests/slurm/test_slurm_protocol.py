@@ -3,13 +3,15 @@ restart budget and cancel. (Real training through `v4launch submit`: test_slurm_
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from slurm_helpers import cli, diagnostics, finished, events, ledger, queue_empty, signal_job, submit_standin, train_records, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
-FAST = ["slurm.cpus_per_task=1", "checkpointing.interval_steps=5", "curriculum.stages.1.steps=2",
+FAST = ["cluster.gpus_per_node=1", "slurm.cpus_per_task=1", "checkpointing.interval_steps=5", "curriculum.stages.1.steps=2",
         "curriculum.stages.2.steps=2"]
 
 
@@ -63,3 +65,24 @@ def test_cancel_checkpoints_and_stops_every_job(workspace):
     assert status.returncode == 0 and "run state: cancelled" in status.stdout, status.stdout
     again = cli("cancel", cwd=workspace)
     assert again.returncode == 1 and "no queued or running" in again.stderr
+
+
+def test_plain_scancel_is_never_undone_by_a_requeue(workspace):
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=400"])
+    wait_for("training to start", lambda: len(train_records(run_dir)) >= 2, 240, run_dir)
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    wait_for("the job to stop", lambda: queue_empty(run_dir), 120, run_dir)
+    (stopped,) = events(run_dir, "exit")
+    assert stopped["detail"].startswith("cancelled (SIGTERM)") and not events(run_dir, "requeue")
+
+
+def test_sigterm_without_the_user_signal_checkpoints_and_requeues(workspace):
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=60"])
+    wait_for("training to start", lambda: len(train_records(run_dir)) >= 2, 240, run_dir)
+    subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=30)
+    wait_for("the run to finish", lambda: finished(run_dir), 300, run_dir)
+    assert events(run_dir, "completed"), diagnostics(run_dir)
+    (requeue,) = events(run_dir, "requeue")
+    assert "(SIGTERM)" in requeue["detail"]
+    steps = _steps(run_dir)
+    assert sorted(set(steps)) == list(range(1, 65)) and len(steps) == len(set(steps))

@@ -46,8 +46,9 @@ def srun_line(script: str) -> list[str]:
 
 
 def test_cpu_recipe_maps_tasks_not_gpus(tmp_path):
-    flags = sbatch_flags(render_sbatch(recipe(partition="debug", time_min=7), tmp_path / "run", "job"))
-    assert flags["--nodes"] == "1" and flags["--ntasks-per-node"] == "1"
+    r = recipe(partition="debug", time_min=7)
+    flags = sbatch_flags(render_sbatch(r, tmp_path / "run", "job"))
+    assert flags["--nodes"] == "1" and flags["--ntasks-per-node"] == str(r.cluster.gpus_per_node)
     assert "--gpus-per-node" not in flags
     assert flags["--partition"] == "debug" and flags["--time"] == "7"
     assert flags["--signal"] == "USR2@120"

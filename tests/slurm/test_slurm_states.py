@@ -76,8 +76,20 @@ def test_cancel_never_requeues():
 
 
 def test_slurm_already_requeueing_is_left_alone():
-    d = stop("SIGTERM", state="PENDING")
-    assert (d.action, d.event) == ("leave", "requeue")
+    for state in ("PENDING", "REQUEUED"):
+        d = stop("SIGTERM", state=state)
+        assert (d.action, d.event) == ("leave", "requeue")
+
+
+def test_an_unexplained_kill_is_not_undone():
+    d = stop("SIGTERM", state="COMPLETING")
+    assert (d.action, d.event) == ("exit", "exit") and "not requeued" in d.detail
+    assert stop("SIGTERM", state="COMPLETING", left=0).action == "requeue"  # at the limit: a time limit
+
+
+def test_timeout_and_preempted_states_requeue():
+    assert "time limit (SIGTERM)" in stop("SIGTERM", state="TIMEOUT").detail
+    assert stop("SIGTERM", state="PREEMPTED").action == "requeue" and stop("USR2", state=None).action == "requeue"
 
 
 def test_budget_stops_a_crash_loop():
