@@ -143,11 +143,8 @@ class V4Model(FP32Pinned):
                  cp: Optional[ContextParallel] = None, kernel_backend: str = "reference") -> None:
         super().__init__()
         _check_phase(phase)
-        if kernel_backend not in BACKEND_NAMES:
-            raise ValueError(f"kernel_backend={kernel_backend!r}: must be one of {BACKEND_NAMES}. "
-                             "Fix: use the recipe's attention.kernel_backend values.")
-        self.kernel_backend = kernel_backend
         self._backends: dict[str, Backend] = {}
+        self.set_kernel_backend(kernel_backend)
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be >= 1. Fix: pass a positive number of query rows.")
         self.args, self.phase, self.chunk_size, self.cp = args, phase, chunk_size, cp or SINGLE_DEVICE
@@ -210,14 +207,34 @@ class V4Model(FP32Pinned):
         self.phase = phase
 
     # ---------------------------------------------------------------- forward
-    def _kernels(self, device: torch.device) -> Optional[Backend]:
-        """The kernel backend for ``device`` (None = the reference path in attention.py), cached per device."""
-        if self.kernel_backend == "reference":
-            return None
+    def set_kernel_backend(self, name: str) -> None:
+        """Switch the attention kernels (e.g. per curriculum stage); resolved again on the next forward.
+
+        Raises:
+            ValueError: ``name`` is not one of ``kernels.BACKEND_NAMES``.
+        """
+        if name not in BACKEND_NAMES:
+            raise ValueError(f"kernel_backend={name!r}: must be one of {BACKEND_NAMES}. "
+                             "Fix: use the recipe's attention.kernel_backend values.")
+        self.kernel_backend = name
+        self._backends.clear()
+
+    def kernels_for(self, device: torch.device | str) -> Backend:
+        """The backend ``device`` runs for :attr:`kernel_backend` (cached per device).
+
+        Raises:
+            kernels.BackendUnavailable: the backend cannot run here (cudnn is not shipped).
+        """
         key = str(device)
         if key not in self._backends:
-            self._backends[key] = select_backend(self.kernel_backend, device)
-        backend = self._backends[key]
+            self._backends[key] = select_backend(self.kernel_backend, torch.device(device))
+        return self._backends[key]
+
+    def _kernels(self, device: torch.device) -> Optional[Backend]:
+        """The fused backend for ``device``, or None for the reference path in attention.py."""
+        if self.kernel_backend == "reference":
+            return None
+        backend = self.kernels_for(device)
         return None if backend.name == "reference" else backend
 
     @property

@@ -10,5 +10,5 @@ from v4launch.validators.schema import Recipe
 
 @pytest.fixture
 def recipe() -> Recipe:
-    """The embedded tiny_cpu recipe (stages: dense_1k, warmup_1k, sparse_2k)."""
+    """The embedded tiny_cpu recipe (three stages: dense, warmup, sparse)."""
     return Recipe.model_validate(tiny_dict())

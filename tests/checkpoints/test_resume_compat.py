@@ -103,12 +103,13 @@ def test_cold_indexer_refused_for_sparse_but_warmup_is_safe(recipe):
 
 def test_architecture_change_refused_without_override(recipe):
     m = manifest_for(recipe, 1)
-    report = run(m, with_model(dim=256), allow=set())
+    dim = recipe.model.dim
+    report = run(m, with_model(dim=2 * dim), allow=set())
     it = item(report, "architecture")
-    assert it.verdict == "refused" and it.override is None and "dim: 128 → 256" in it.reason
+    assert it.verdict == "refused" and it.override is None and f"dim: {dim} → {2 * dim}" in it.reason
     everything = {"--allow-layer-change", "--allow-phase-regression", "--allow-optimizer-regroup",
                   "--allow-tokenizer-change", "--allow-cold-indexer"}
-    assert not run(m, with_model(dim=256), allow=everything).ok
+    assert not run(m, with_model(dim=2 * dim), allow=everything).ok
     settings_only = run(m, with_model(init_std=0.01))
     assert settings_only.ok and "init_std" in item(settings_only, "model settings").reason
 

@@ -93,3 +93,14 @@ def test_tokens_budget_and_lr_schedule(write_recipe):
     assert sched.lr(0)[0] == pytest.approx(1.5e-3) and sched.lr(1)[0] == pytest.approx(3e-3)
     assert sched.lr(7)[0] <= 1e-3 and sched.lr(7)[1] == pytest.approx(sched.lr(7)[0] * 2e-2 / 3e-3)
     assert not sched.decay_started(1) and sched.decay_started(2)
+
+
+def test_stage_kernel_backend_reaches_the_model_and_the_log_says_what_runs(new_run):
+    run = new_run({"curriculum": {"stages": [
+        {"name": "dense", "seq_len": 128, "phase": "dense", "steps": 1},
+        {"name": "warm", "seq_len": 128, "phase": "warmup", "steps": 1, "kernel_backend": "triton"}]}})
+    assert train(run, progress=False).status == "completed"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    kernels = [(e["requested"], e["running"]) for e in lines if e["kind"] == "event" and e["event"] == "kernels"]
+    assert kernels == [("reference", "reference"), ("triton", "reference")]  # CPU: no SM90, says so
+    assert "not a CUDA GPU" in (run / "logs" / "rank0.log").read_text()

@@ -31,6 +31,7 @@ class StagePlan:
         micro_batch: packed sequences per forward on one rank.
         accum: micro-batches per step on each rank = global_batch / (micro_batch · dp).
         peak_lr: this stage's peak AdamW learning rate.
+        kernel_backend: attention kernels of the stage (``stage.kernel_backend`` or ``attention.kernel_backend``).
     """
 
     index: int
@@ -45,6 +46,7 @@ class StagePlan:
     micro_batch: int
     accum: int
     peak_lr: float
+    kernel_backend: str = "reference"
 
     @property
     def end_step(self) -> int:
@@ -95,7 +97,8 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
         plans.append(StagePlan(index=i, name=st.name, phase=st.phase, seq_len=st.seq_len, cp=cp, dp=dp, steps=n,
                                first_step=step,
                                global_batch=gbs, micro_batch=micro, accum=gbs // (micro * dp),
-                               peak_lr=st.lr if st.lr is not None else recipe.optimizer.lr))
+                               peak_lr=st.lr if st.lr is not None else recipe.optimizer.lr,
+                               kernel_backend=st.kernel_backend or recipe.attention.kernel_backend))
         step += n
     return plans
 

@@ -136,6 +136,7 @@ class Runner:
         if self.model.phase != plan.phase:
             self._change_phase(plan.phase)
         self._set_layout(plan)
+        self._set_kernels(plan)
         if self.progress.step_in_stage == 0:
             seed_everything(stage_seed(self.recipe.run.seed, plan.index))
         previous = self.loader.state_dict() if self.loader is not None else self._saved_loader
@@ -156,6 +157,16 @@ class Runner:
             self.metrics.event(step, "layout", f"stage {plan.name}: {old.describe()} -> {self.layout.describe()} "
                                f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
                                f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp)
+
+    def _set_kernels(self, plan: StagePlan) -> None:
+        """The stage's attention kernels; the log says which backend this device actually runs and why."""
+        if self.model.kernel_backend == plan.kernel_backend and self.loader is not None:
+            return
+        self.model.set_kernel_backend(plan.kernel_backend)
+        backend = self.model.kernels_for(self.info.device)
+        self.metrics.event(self.progress.step, "kernels", f"stage {plan.name}: attention kernels "
+                           f"{plan.kernel_backend} -> running {backend.name} ({backend.reason})",
+                           requested=plan.kernel_backend, running=backend.name)
 
     def _change_phase(self, phase: str) -> None:
         old = self.model.phase
