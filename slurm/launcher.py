@@ -159,7 +159,7 @@ class SlurmLauncher(Launcher):
             raise RefusedError(f"scancel {' '.join(live)} failed: {error}", hint="check `squeue` and retry")
 
     def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """Rank 0's job logs (stderr, then stdout) of every job of the run in order; with
+        """Rank 0's job logs (stdout, then stderr) of every job of the run in order; with
         ``follow``, keep yielding from the live job, and from the jobs it chains, until none is live."""
         shown: set[str] = set()
         while True:
@@ -167,7 +167,7 @@ class SlurmLauncher(Launcher):
             for job_id in new:
                 shown.add(job_id)
                 yield f"==> job {job_id} <=="
-                paths = list(reversed(job_log_paths(run_dir, job_id)))
+                paths = list(job_log_paths(run_dir, job_id))  # the training log, then errors
                 alive = (lambda j=job_id: bool(query.queue_states([j]))) if follow else (lambda: False)
                 yield from follow_files(paths, alive)
             if not follow or (not new and not self.live_jobs(run_dir)):
