@@ -533,6 +533,12 @@ def run_bench(a) -> None:
                 if env.cuda:
                     torch.cuda.empty_cache()
     sizes = [int(s) for s in a.sizes.split(",") if s]
+    base_oom = {}  # layer -> smallest T at which the CP = 1 baseline ran out of memory
+    if a.baseline:
+        with open(a.baseline) as f:
+            for r in json.load(f)["rows"]:
+                if str(r.get("error", "")).startswith("OOM"):
+                    base_oom[r["layer"]] = min(base_oom.get(r["layer"], r["T"]), r["T"])
     for name in layers:
         oomed_at = None
         for T in sorted(sizes):
@@ -543,6 +549,9 @@ def run_bench(a) -> None:
             elif oomed_at is not None:
                 row = dict(layer=name, phase=LAYERS[name][3], T=T, cp=cp.size,
                            skipped=f"OOM at the smaller size {oomed_at}")
+            elif name in base_oom and T // cp.size >= base_oom[name]:  # an OOM on one rank would hang the others
+                row = dict(layer=name, phase=LAYERS[name][3], T=T, cp=cp.size,
+                           skipped=f"predicted OOM: {T // cp.size} rows/rank >= {base_oom[name]}, where CP=1 ran out")
             elif T % cp.size or T // cp.size < boundary_width(args.window_size, args.compress_ratios):
                 row = dict(layer=name, phase=LAYERS[name][3], T=T, cp=cp.size,
                            skipped=f"T={T} not divisible by cp or local rows below the boundary width")
@@ -715,7 +724,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parity-dtypes", default="bf16,fp32")
     ap.add_argument("--no-probe", dest="probe", action="store_false", help="skip the NCCL-only group probe")
     ap.add_argument("--deadline", type=float, default=0.0, help="skip configs started after N s (0 = none)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="process-group timeout, seconds")
+    ap.add_argument("--timeout", type=float, default=180.0,
+                    help="process-group timeout, seconds (a rank that ran out of memory leaves the others waiting)")
+    ap.add_argument("--baseline", default="", help="a CP = 1 json: skip configs whose rows per rank ran out of "
+                    "memory there (per-rank memory at CP = n and T ~ CP = 1 at T / n)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank (CPU runs)")
     ap.add_argument("--date", default="", help="date for the record (default today)")
     ap.add_argument("--out", default="", help="write the json here (rank 0)")
