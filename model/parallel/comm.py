@@ -45,13 +45,20 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Comm:
-    """A CP process group: ranks, neighbours and the byte counter."""
+    """A CP process group: ranks, neighbours, the byte counter and the device for host scalars.
+
+    ``scalar_device``: where a host-side count (an int the model sums over CP) is placed for its
+    all-reduce — the current CUDA device when the group has an NCCL backend (NCCL moves only
+    device tensors), else the CPU.
+    """
 
     def __init__(self, group) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.traffic = Traffic()
+        nccl = "nccl" in str(dist.get_backend(group))
+        self.scalar_device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

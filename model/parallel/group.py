@@ -129,7 +129,8 @@ class ContextParallelGroup(ContextParallel):
         return self.comm.all_reduce(t, "counts")
 
     def sum_int(self, n: int) -> int:
-        return int(self.comm.all_reduce(torch.tensor([n], dtype=torch.int64), "counts").item())
+        count = torch.tensor([n], dtype=torch.int64, device=self.comm.scalar_device)
+        return int(self.comm.all_reduce(count, "counts").item())
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ def init_distributed() -> DistInfo:
     """Join the process group described by the environment (no-op when WORLD_SIZE <= 1).
 
     An already initialised group (e.g. a test harness) is reused and left alone at teardown.
+    On CUDA the group has two backends, ``cpu:gloo,cuda:nccl``: device tensors (gradients,
+    activations) go over NCCL, while the host-side counts and objects that checkpointing and
+    the CP loss normalisation exchange go over gloo instead of failing on an NCCL-only group.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -71,7 +74,7 @@ def init_distributed() -> DistInfo:
         return DistInfo(rank=0, world=1, local_rank=0, device=device, owns_group=False)
     owns = False
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo", init_method="env://")
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", init_method="env://")
         owns = True
     return DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local_rank, device=device,
                     owns_group=owns)
