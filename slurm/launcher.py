@@ -111,12 +111,16 @@ class SlurmLauncher(Launcher):
         """
         from .submit import submit_run
 
+        self.ensure_idle(run_dir)
+        job_id = submit_run(run_dir, max_steps=max_steps, detail="relaunched")
+        return LaunchInfo(launcher=self.name, run_dir=Path(run_dir), job_id=job_id)
+
+    def ensure_idle(self, run_dir: Path) -> None:
+        """Refuse while a Slurm job of this run is still queued or running."""
         live = self.live_jobs(run_dir)
         if live:
             raise RefusedError(f"run {Path(run_dir).name} still has live Slurm job(s) {', '.join(live)}",
-                               hint=f"wait for them, or stop them with `v4launch cancel {run_dir}`")
-        job_id = submit_run(run_dir, max_steps=max_steps, detail="relaunched")
-        return LaunchInfo(launcher=self.name, run_dir=Path(run_dir), job_id=job_id)
+                               hint=f"wait for them, or stop them with `v4launch cancel '{run_dir}'`")
 
     def live_jobs(self, run_dir: Path) -> list[str]:
         """Job ids of the run that are still queued or running."""

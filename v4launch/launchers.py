@@ -70,6 +70,10 @@ class Launcher(ABC):
         """Start (or continue) the run in ``run_dir``; the job resumes from its latest checkpoint."""
 
     @abstractmethod
+    def ensure_idle(self, run_dir: Path) -> None:
+        """Refuse (RefusedError) while a launch of this run is still live; called before anything is written."""
+
+    @abstractmethod
     def status(self, run_dir: Path) -> RunStatus:
         """Current state of the run (never raises for a run that simply has not started)."""
 
@@ -173,6 +177,14 @@ class LocalLauncher(Launcher):
 
     name = "local"
 
+    def ensure_idle(self, run_dir: Path) -> None:
+        """Refuse while processes of an earlier launch of this run are alive (launch.json pids)."""
+        run_dir = Path(run_dir).resolve()
+        prev = read_launch(run_dir)
+        if prev.get("state") == RUNNING and any(_alive(p) for p in prev.get("pids", [])):
+            raise RefusedError(f"run {run_dir.name} is already running (pids {prev['pids']})",
+                               hint=f"wait for it, or stop it with `v4launch cancel '{run_dir}'`")
+
     def launch(self, run_dir: Path, *, max_steps: int | None = None, progress: bool = True) -> LaunchInfo:
         """Run the job to its end (or until max_steps / a cancel). Returns with ``result`` set.
 
@@ -184,10 +196,7 @@ class LocalLauncher(Launcher):
         from .rundir import load_run
 
         run_dir = Path(run_dir).resolve()
-        prev = read_launch(run_dir)
-        if prev.get("state") == RUNNING and any(_alive(p) for p in prev.get("pids", [])):
-            raise RefusedError(f"run {run_dir.name} is already running (pids {prev['pids']})",
-                               hint=f"wait for it, or stop it with `v4launch cancel {run_dir}`")
+        self.ensure_idle(run_dir)
         from .training.plan import plan_curriculum
 
         recipe = load_run(run_dir).recipe

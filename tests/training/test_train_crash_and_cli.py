@@ -116,3 +116,18 @@ def test_cold_indexer_override_really_trains_sparse(stopped_run):
     recs = train_records(stopped_run)
     assert [recs[s]["phase"] for s in sorted(recs)] == ["dense"] * 3 + ["sparse"] * 2
     assert not (stopped_run / "resume.json").exists() and (stopped_run / "resume.done.json").exists()
+
+
+def test_resume_refused_while_the_run_is_live_writes_nothing(stopped_run):
+    import os
+
+    from v4launch.launchers import record_launch
+    from v4launch.rundir import RunPaths
+
+    paths = RunPaths(stopped_run)
+    recipe_before = paths.recipe.read_text()
+    record_launch(stopped_run, state="running", pids=[os.getpid()])  # a live launch of this run
+    code, text = _cli("resume", str(stopped_run), "optimizer.lr=1.0e-3")
+    assert code == 1 and "already running" in text
+    assert not paths.resume.exists(), "a refused resume must not leave a pending request"
+    assert paths.recipe.read_text() == recipe_before, "a refused resume must not re-freeze the recipe"

@@ -83,11 +83,13 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     if dry_run:
         OUT.note("dry run: nothing written, nothing launched")
         return
+    launcher = launcher_for(info.paths.root)
+    launcher.ensure_idle(info.paths.root)  # a refused resume writes nothing
     if changed:
         refreeze_recipe(info.paths.root, loaded)
     write_resume_request(info.paths.root, plan.request())
     Workspace.current().remember(run=str(info.paths.root))
-    launched = launcher_for(info.paths.root).launch(info.paths.root)
+    launched = launcher.launch(info.paths.root)
     if launched.result is not None:
         from .run import print_summary
 
