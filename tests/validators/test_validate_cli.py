@@ -40,6 +40,10 @@ def test_warning_only_exits_0(in_tmp: Path):
 
 def test_json_report(in_tmp: Path):
     code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8", "--json"])
+    data = json.loads(out)  # the 64K stages now run CP with the fused kernels: refused
+    assert code == 1 and {v["rule_id"] for v in data["violations"]} == {"V4-KERNEL-CP"}
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8",
+                              "attention.kernel_backend=reference", "--json"])
     data = json.loads(out)
     assert code == 0 and data["ok"] is True and data["recipe"] == "flash_4n"
     assert [s["derived"]["cp"] for s in data["stages"]][:3] == [8, 8, 8]

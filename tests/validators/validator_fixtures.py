@@ -29,7 +29,7 @@ BASE: dict[str, Any] = {
         {"name": "dense_4k", "seq_len": 4096, "phase": "dense", "steps": 10},
         {"name": "warmup_4k", "seq_len": 4096, "phase": "warmup", "kernel_backend": "reference", "steps": 10},
         {"name": "sparse_4k", "seq_len": 4096, "phase": "sparse", "steps": 10},
-        {"name": "sparse_8k", "seq_len": 8192, "phase": "sparse", "cp": 2, "steps": 10},
+        {"name": "sparse_8k", "seq_len": 8192, "phase": "sparse", "cp": 2, "kernel_backend": "reference", "steps": 10},
     ]},
 }
 
@@ -49,6 +49,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-KERNEL-SM90": (["cluster.gpu=cpu"], []),
     "V4-SM90-DENSE-LOSS": (["curriculum.stages.1.kernel_backend=null"],
                            ["curriculum.stages.1.kernel_backend=null", "curriculum.stages.1.indexer_loss=sparse"]),
+    "V4-KERNEL-AVAILABLE": (["attention.kernel_backend=cudnn"], []),
+    "V4-KERNEL-CP": (["curriculum.stages.3.kernel_backend=triton"], []),
     "V4-CP-THD": (["parallel.qkv_format=bshd"], []),
     "V4-CP-CONTIGUOUS": (["parallel.cp_partition=zigzag"], []),
     "V4-CP-SM": (["cluster.gpu=RTX5090"], ["cluster.gpu=B200"]),

@@ -114,3 +114,33 @@ def check_sm90_dense_loss(ctx: Context):
                f"(or attention.kernel_backend=reference)")
         return ctx.finding(field, value, f"dense indexer loss with fused '{ctx.backend}' kernels on SM{sm}", fix)
     return ctx.ok(field, value)
+
+
+@rule("V4-KERNEL-AVAILABLE", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend"),
+      fix="use kernel_backend=triton (fused, SM90) or reference; cudnn needs FlashMLA + cuDNN DSA, which v4launch does not ship")
+def check_kernel_available(ctx: Context):
+    """The kernel backend must be one the bundled model runs: reference or triton (cudnn is not shipped).
+
+    Source: docs/kernels.md (model/kernels/dispatch.py raises BackendUnavailable for cudnn); Megatron
+    transformer_config.py:1771 (cudnn needs flash_mla and cudnn.DSA importable).
+    """
+    if ctx.backend == "cudnn":
+        return ctx.finding(ctx.backend_field, ctx.backend,
+                           "kernel_backend 'cudnn' (FlashMLA + cuDNN DSA) is not available in the bundled model: "
+                           "the job would stop at its first forward")
+    return ctx.ok(ctx.backend_field, ctx.backend)
+
+
+@rule("V4-KERNEL-CP", fields=("curriculum.stages.*.cp", "attention.kernel_backend", "curriculum.stages.*.kernel_backend"),
+      fix="set this stage's kernel_backend=reference (the CP runtime runs the reference attention), or cp=1")
+def check_kernel_cp(ctx: Context):
+    """Context-parallel stages run the reference attention: the fused kernels have no CP boundary-row path.
+
+    Source: docs/context_parallel.md "Limits" and docs/kernels.md (kernels.layer.attention_forward refuses
+    boundary rows); the job refuses the same combination (v4launch/training/plan.py).
+    """
+    if ctx.cp <= 1:
+        return ctx.na("CP = 1")
+    if ctx.backend in FUSED_BACKENDS:
+        return ctx.finding(ctx.backend_field, ctx.backend, f"cp={ctx.cp} with fused '{ctx.backend}' kernels")
+    return ctx.ok(ctx.backend_field, ctx.backend, f"cp={ctx.cp}")
