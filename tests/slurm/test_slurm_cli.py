@@ -71,7 +71,7 @@ def test_unknown_sbatch_parameter_lists_the_valid_ones(ws):
 
 def test_newline_in_a_value_is_refused(ws, tmp_path):
     recipe = tmp_path / "evil.yaml"
-    recipe.write_text(Path(TINY).read_text() + '\nslurm: {account: "acct\\n#SBATCH --uid=0"}\n')
+    recipe.write_text(f"extends: {TINY}\n" + 'slurm: {account: "acct\\n#SBATCH --uid=0"}\n')
     out = cli("submit", str(recipe), "--dry-run", cwd=ws)
     assert out.returncode == 2 and "control characters" in " ".join(out.stderr.split())
 

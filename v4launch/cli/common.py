@@ -21,12 +21,19 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Dotlist overrides, e.g. parallel.cp=8 curriculum.stages.0.steps=10.", show_default=False)]
 
 
+PIPE_WIDTH = 200
+"""Line width of output that does not go to a terminal (rich would fold it at 80 columns)."""
+
+
 class Output:
     """One sink for all command output: rich text to stdout, or JSON, or nothing (quiet)."""
 
     def __init__(self) -> None:
         self.console = Console(highlight=False)
         self.err = Console(stderr=True, highlight=False)
+        for console in (self.console, self.err):
+            if not console.is_terminal and "COLUMNS" not in os.environ:
+                console.width = PIPE_WIDTH  # piped/logged output: no 80-column folding of paths and tables
 
     def json(self, payload: Any) -> None:
         """Write ``payload`` as JSON to stdout."""

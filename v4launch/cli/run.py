@@ -95,7 +95,7 @@ def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> Non
         last = train[-1]
         tail = train[-min(10, len(train)):]
         avg = sum(r["lm_loss"] for r in tail) / len(tail)
-        line = f"final lm loss {last['lm_loss']:.4f} nats/token (mean of last {len(tail)} steps {avg:.4f})"
+        line = f"final lm loss {last['lm_loss']:.4f} nats/token (mean of the last {len(tail)} logged steps {avg:.4f})"
         if entropy_nats:
             line += f" vs unigram entropy {entropy_nats:.4f} nats/token"
         OUT.console.print(line)

@@ -60,14 +60,17 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _rows(st: Any) -> list[dict[str, Any]]:
+def _rows(run_dir: Path, st: Any) -> list[dict[str, Any]]:
+    from ..launchers import last_metrics
+
     rows = st.detail.get("jobs")
     if rows is not None:
         return rows
     ckpt = st.checkpoint.name if st.checkpoint else None  # a local run: one row from the launcher's view
+    last = last_metrics(run_dir) or {}  # phase and loss of the last logged step
     return [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "local", "state": st.state,
-             "stage": st.stage, "phase": None, "step": st.step, "loss": None, "checkpoint": ckpt,
-             "restarts": 0, "detail": ""}]
+             "stage": st.stage, "phase": last.get("phase"), "step": st.step, "loss": last.get("lm_loss"),
+             "checkpoint": ckpt, "restarts": 0, "detail": ""}]
 
 
 def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
@@ -92,7 +95,7 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
                   "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None, **st.detail})
     else:
-        rows = _rows(st)
+        rows = _rows(run_dir, st)
         OUT.console.print(_table(run_dir, st, rows))
         for r in rows:
             if r.get("detail"):
