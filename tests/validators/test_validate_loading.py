@@ -195,3 +195,9 @@ def test_missing_file_and_shipped_names(tmp_path: Path):
     assert "recipe not found" in _error(tmp_path / "nope.yaml").message
     assert load_recipe("flash_4n").recipe.name == "flash_4n"
     assert load_recipe("tiny_cpu.yaml").recipe.name == "tiny_cpu"
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_non_finite_numbers_are_refused_with_the_field(value):
+    with pytest.raises(RecipeError, match=r"optimizer\.lr.*finite number"):
+        load_recipe(RECIPES / "tiny_cpu.yaml", [f"optimizer.lr={value}"])

@@ -13,4 +13,4 @@ from pydantic import BaseModel, ConfigDict
 class Section(BaseModel):
     """Base class of all recipe sections: ``extra="forbid"``, frozen, validated defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
