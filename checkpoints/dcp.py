@@ -33,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .base import MANIFEST_NAME, STATE_KEYS, CheckpointError, Manifest
 
@@ -188,7 +189,8 @@ def load_checkpoint(path: Path, states: dict[str, Any]) -> Manifest:
     updated in place. Checking that the resume is allowed is ``compat.check_resume``'s job.
 
     Raises:
-        CheckpointError: ``path`` is not a complete checkpoint, or a key is outside the contract.
+        CheckpointError: ``path`` is not a complete checkpoint, a key is outside the contract, or its
+            shard files cannot be read (truncated, missing); the hint names the fallback checkpoint.
     """
     _check_keys(states)
     path = Path(path)
@@ -198,8 +200,18 @@ def load_checkpoint(path: Path, states: dict[str, Any]) -> Manifest:
             hint=f"use the newest complete one: {latest_checkpoint(path.parent) or 'none found'}",
         )
     manifest = Manifest.read(path)
-    with _quiet_no_dist():
-        dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+    try:
+        with _quiet_no_dist():
+            dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
+    except (CheckpointException, OSError, EOFError) as exc:  # DCP's exception derives from BaseException
+        older = [p for p in list_checkpoints(path.parent) if p != path]
+        fallback = f"the newest other one is {older[-1].name}" if older else "no other complete checkpoint exists"
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({first}); its shard files are damaged or incomplete",
+            hint=f"move it aside (e.g. `mv '{path}' '{path.parent}/damaged-{path.name}'`) and resume again: "
+                 f"{fallback}",
+        ) from None
     return manifest
 
 

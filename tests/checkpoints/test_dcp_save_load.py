@@ -96,6 +96,20 @@ def test_bad_keys_and_incomplete_checkpoints(tmp_path, recipe):
         load_checkpoint(tmp_path / "step_00000009", {"train_state": {"step": 0}})
 
 
+def test_damaged_shard_is_a_clear_error_naming_the_fallback(tmp_path, recipe):
+    model, opt, sched = build(0)
+    for step in (1, 2):
+        train_step(model, opt, sched)
+        man = manifest_for(recipe, 1, param_groups=summarize_param_groups(model, opt), step=step)
+        path = save_checkpoint(tmp_path, step, states(model, opt, sched, Counter(step), step), man)
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:64])  # truncated, as by a full disk or a bad copy
+    model2, opt2, sched2 = build(1)
+    with pytest.raises(CheckpointError, match="cannot be read") as info:
+        load_checkpoint(path, states(model2, opt2, sched2, Counter(), 0))
+    assert "step_00000001" in info.value.hint and "mv " in info.value.hint
+
+
 def test_keep_last_prunes_only_complete_older_ones(tmp_path, recipe):
     incomplete = tmp_path / "step_00000000"
     incomplete.mkdir(parents=True)
