@@ -18,11 +18,13 @@ in chunks of ``chunk_size`` rows, so no [T, T] or [T, H, all entries] tensor exi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
@@ -49,6 +51,11 @@ class BatchContext:
     (single-device no-op by default). ``shard``: the CP view of the batch
     (``cp.shard(...)``; on one device built from ``pack``: no boundary rows). ``kernels``:
     a fused backend from ``kernels.dispatch.select_backend`` (None: the reference path).
+    ``recompute``: with autograd on and more than one query chunk, the reference path keeps
+    only each chunk's output [R, H, D] and recomputes the chunk's gathered candidates
+    [R, k, D], logits and probabilities [R, H, window + k] in backward, one chunk at a time:
+    activation memory O(T * H * D) instead of O(T * (H + D) * (window + k)) (CSA at 64K
+    tokens, V4-Flash shape: about 45 GB less). Costs one more chunk forward in backward.
     """
 
     pack: Pack
@@ -58,6 +65,7 @@ class BatchContext:
     cp: ContextParallel = SINGLE_DEVICE
     shard: Optional[Shard] = None
     kernels: Optional["Backend"] = None  # fused attention kernels; None = the reference code below
+    recompute: bool = True
     _plans: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 
@@ -167,9 +175,12 @@ class Attention(FP32Pinned):
                 if inp is not None:
                     inp.keys = mems[1]
         outs, kl_sum, kl_rows = [], None, 0
+        attend = self._attend_chunk
+        if ctx.recompute and torch.is_grad_enabled() and T > ctx.chunk_size:
+            attend = functools.partial(checkpoint, self._attend_chunk, use_reentrant=False)
         for start in range(0, T, ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, T))
-            o_rows, part, n = self._attend_chunk(ctx, rows, q[rows].to(acc), kv, plan, comp, inp)
+            o_rows, part, n = attend(ctx, rows, q[rows].to(acc), kv, plan, comp, inp)
             outs.append(o_rows)
             if part is not None:
                 kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n

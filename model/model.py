@@ -116,6 +116,9 @@ class V4Model(FP32Pinned):
     Args:
         args: architecture. phase: "dense" | "warmup" | "sparse" (see :data:`Phase`).
         chunk_size: query rows per attention / indexer chunk (memory is linear in it).
+        recompute: the reference attention keeps only each chunk's output for backward and
+            recomputes the chunk's candidates, logits and probabilities there
+            (``BatchContext.recompute``); False keeps them (faster, O(T * (window + k) * D) bytes).
         cp: context-parallel hooks; the default is the single-device no-op. With
             ``parallel.ContextParallelGroup(group)`` each rank passes its contiguous slice
             of tokens/labels and the GLOBAL cu_seqlens, and every loss is the global
@@ -140,7 +143,8 @@ class V4Model(FP32Pinned):
     _fp32_names = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
     def __init__(self, args: ModelArgs, phase: Phase = "dense", *, chunk_size: int = 256,
-                 cp: Optional[ContextParallel] = None, kernel_backend: str = "reference") -> None:
+                 cp: Optional[ContextParallel] = None, kernel_backend: str = "reference",
+                 recompute: bool = True) -> None:
         super().__init__()
         _check_phase(phase)
         self._backends: dict[str, Backend] = {}
@@ -148,6 +152,7 @@ class V4Model(FP32Pinned):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be >= 1. Fix: pass a positive number of query rows.")
         self.args, self.phase, self.chunk_size, self.cp = args, phase, chunk_size, cp or SINGLE_DEVICE
+        self.recompute = recompute
         with_indexer = phase != "dense"
         d, hc = args.dim, args.hc_mult
         self.embed = nn.Embedding(args.vocab_size, d)
@@ -261,7 +266,8 @@ class V4Model(FP32Pinned):
         pack = shard.pack
         check_ids(tokens, labels, self.args.vocab_size)
         ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
-                           self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device))
+                           self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
+                           recompute=self.recompute)
         h = self.embed(tokens)  # [T, dim]
         h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
         aux: dict[str, torch.Tensor] = {}
