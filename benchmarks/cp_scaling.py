@@ -90,6 +90,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from v4launch.model import ModelArgs  # noqa: E402
+from v4launch.model import attention as attention_module  # noqa: E402
 from v4launch.model.attention import Attention, BatchContext  # noqa: E402
 from v4launch.model.packing import make_pack  # noqa: E402
 from v4launch.model.parallel import ContextParallelGroup  # noqa: E402
@@ -217,6 +218,34 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return cos, (a - b).norm().item() / nb
 
 
+class SelectionRecorder:
+    """Records the indexer's top-k selection of every query row while active.
+
+    ``rows[global row] = frozenset of logical entry ids``; ``offset`` maps the rank's local rows
+    to global ones. Used by the parity check to tell a rounding difference from a selection
+    flip: two near-tied indexer scores computed in a different GEMM shape (CP changes the
+    query rows per chunk) can swap one entry at the top-k boundary, which moves that row's
+    attention and the KL gradient by far more than rounding.
+    """
+
+    def __init__(self, offset: int = 0):
+        self.offset, self.rows = offset, {}
+
+    def __enter__(self):
+        self._orig = attention_module.select_topk
+        attention_module.select_topk = self._select
+        return self
+
+    def __exit__(self, *exc):
+        attention_module.select_topk = self._orig
+
+    def _select(self, inp, vis_idx, vis_valid, rows, topk, lo, hi):
+        idx, valid = self._orig(inp, vis_idx, vis_valid, rows, topk, lo, hi)
+        for r, (ids, ok) in enumerate(zip((idx + lo).tolist(), valid.tolist())):
+            self.rows[self.offset + rows.start + r] = frozenset(i for i, v in zip(ids, ok) if v)
+        return idx, valid
+
+
 def parity(name: str, args: ModelArgs, T: int, dtype_name: str, env: Env, cp: ContextParallelGroup, chunk: int):
     dtype = DTYPES[dtype_name]
     attn = build_layer(name, args, dtype, env, seed=1)
@@ -231,7 +260,8 @@ def parity(name: str, args: ModelArgs, T: int, dtype_name: str, env: Env, cp: Co
     target = LAYERS[name][2]
     # CP = 1 on the whole batch (single-device path)
     xr = x.clone().requires_grad_()
-    out_r, kl_r = attn(xr, BatchContext(make_pack(tokens, cu, max(lengths)), args.window_size, target, chunk))
+    with SelectionRecorder() as sel_r:
+        out_r, kl_r = attn(xr, BatchContext(make_pack(tokens, cu, max(lengths)), args.window_size, target, chunk))
     backward(out_r, kl_r, g)
     ref = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in attn.named_parameters()}
     attn.zero_grad(set_to_none=True)
@@ -240,7 +270,9 @@ def parity(name: str, args: ModelArgs, T: int, dtype_name: str, env: Env, cp: Co
     rows = slice(cp.rank * L, (cp.rank + 1) * L)
     shard = cp.shard(tokens[rows], cu, max(lengths), args.window_size, args.compress_ratios)
     xl = x[rows].clone().requires_grad_()
-    out_c, kl_c = attn(xl, make_ctx(args, name, shard, cp, chunk))
+    with SelectionRecorder(offset=rows.start) as sel_c:
+        out_c, kl_c = attn(xl, make_ctx(args, name, shard, cp, chunk))
+    flips = sum(sel_c.rows[r] != sel_r.rows.get(r) for r in sel_c.rows)  # rows whose top-k set differs
     backward(out_c, kl_c, g[rows])
     checks = {"out": compare(out_c, out_r[rows]), "x_grad": compare(xl.grad, xr.grad[rows])}
     if kl_r is not None:
@@ -258,6 +290,7 @@ def parity(name: str, args: ModelArgs, T: int, dtype_name: str, env: Env, cp: Co
     ok = cos >= 1 - BF16_COS if dtype == torch.bfloat16 else rel <= FP32_REL
     res = dict(layer=name, phase=LAYERS[name][3], dtype=dtype_name, T=T, lengths=lengths, cp=cp.size,
                rank=cp.rank, min_cos=cos, max_rel=rel, worst_param=worst_p,
+               topk_rows=len(sel_c.rows), topk_rows_differing=flips,
                checks={k: dict(cos=v[0], rel=v[1]) for k, v in checks.items()}, ok=ok)
     del attn, x, g, xr, xl, out_r, out_c, ref
     return res
@@ -520,13 +553,16 @@ def run_bench(a) -> None:
                                error=next(r["error"] for r in allr if "error" in r))
                 else:
                     row = dict(allr[0], rank=None, min_cos=min(r["min_cos"] for r in allr),
+                               topk_rows=sum(r["topk_rows"] for r in allr),
+                               topk_rows_differing=sum(r["topk_rows_differing"] for r in allr),
                                max_rel=max(r["max_rel"] for r in allr), ok=all(r["ok"] for r in allr),
                                per_rank=[dict(min_cos=r["min_cos"], max_rel=r["max_rel"], worst=r["worst_param"],
                                               checks=r["checks"]) for r in allr])
                 result["parity"].append(row)
                 say(f"parity {name} {dn} T={a.parity_T} cp={cp.size}: " +
                     (f"min cos {row['min_cos']:.7f}  max rel {row['max_rel']:.2e}  "
-                     f"(worst param {row.get('worst_param')}) {'PASS' if row['ok'] else 'FAIL'}"
+                     f"(worst param {row.get('worst_param')}) top-k rows differing "
+                     f"{row['topk_rows_differing']}/{row['topk_rows']} {'PASS' if row['ok'] else 'FAIL'}"
                      if "error" not in row else f"ERROR {row['error']}"))
                 save()
                 gc.collect()
@@ -617,16 +653,19 @@ def markdown(result: dict) -> str:
         out += ["Job process-group probe (NCCL-only group): " +
                 "; ".join(f"{k}: {v}" for k, v in result["probe"].items()), ""]
     if result["parity"]:
-        out += ["| parity: layer | dtype | T | cp | min cosine | max rel L2 | worst param grad | gate | result |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += ["| parity: layer | dtype | T | cp | min cosine | max rel L2 | worst param grad | "
+                "top-k rows differing from CP = 1 | gate | result |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for p in result["parity"]:
             gate = f"cos >= 1-{BF16_COS:g}" if p["dtype"] == "bf16" else f"rel <= {FP32_REL:g}"
             if "error" in p:
-                out.append(f"| {p['layer']} | {p['dtype']} | {p['T']} | {p['cp']} | - | - | - | {gate} | "
+                out.append(f"| {p['layer']} | {p['dtype']} | {p['T']} | {p['cp']} | - | - | - | - | {gate} | "
                            f"ERROR {p['error']} |")
             else:
                 out.append(f"| {p['layer']} | {p['dtype']} | {p['T']} | {p['cp']} | {p['min_cos']:.7f} | "
-                           f"{p['max_rel']:.2e} | {p['worst_param']} | {gate} | {'PASS' if p['ok'] else 'FAIL'} |")
+                           f"{p['max_rel']:.2e} | {p['worst_param']} | "
+                           f"{p.get('topk_rows_differing', '-')} of {p.get('topk_rows', '-')} | {gate} | "
+                           f"{'PASS' if p['ok'] else 'FAIL'} |")
         out.append("")
     out += ["| layer | T | cp | rows/rank | fwd ms | bwd ms | fwd+bwd ms | tok/s/GPU | peak GiB/rank | "
             "boundary B/layer fwd (runtime / validator) | all-gather B/layer recv (runtime / validator padded) | "

@@ -174,13 +174,16 @@ class Attention(FP32Pinned):
                 comp = EntryMemory(mems[0].buf.to(acc), mems[0].phys)  # all entries, by logical id
                 if inp is not None:
                     inp.keys = mems[1]
+                    inp.split_rows(ctx.chunk_size)
         outs, kl_sum, kl_rows = [], None, 0
         attend = self._attend_chunk
         if ctx.recompute and torch.is_grad_enabled() and T > ctx.chunk_size:
             attend = functools.partial(checkpoint, self._attend_chunk, use_reentrant=False)
-        for start in range(0, T, ctx.chunk_size):
+        # split, not q[rows]: a slice's backward zero-fills a whole [T, H, D] gradient per chunk
+        # (O(T^2 * H * D / chunk) memory traffic, seconds at 128K); split joins the chunks once
+        for start, q_rows in zip(range(0, T, ctx.chunk_size), q.split(ctx.chunk_size)):
             rows = slice(start, min(start + ctx.chunk_size, T))
-            o_rows, part, n = attend(ctx, rows, q[rows].to(acc), kv, plan, comp, inp)
+            o_rows, part, n = attend(ctx, rows, q_rows.to(acc), kv, plan, comp, inp)
             outs.append(o_rows)
             if part is not None:
                 kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n

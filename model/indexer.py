@@ -38,6 +38,25 @@ class IndexerInputs:
     q: torch.Tensor
     w: torch.Tensor
     keys: "torch.Tensor | EntryMemory"
+    _chunks: tuple = ()
+
+    def split_rows(self, chunk_size: int) -> None:
+        """Split q and w once into chunks of ``chunk_size`` query rows for :meth:`at_rows`."""
+        self._chunks = (chunk_size, self.q.split(chunk_size), self.w.split(chunk_size))
+
+    def at_rows(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [R, H_I, d_I], w [R, H_I]) of local query rows ``rows``.
+
+        Rows of one chunk of :meth:`split_rows` come from that split: the gradients of all
+        chunks are joined once, where a slice per chunk would zero-fill a whole [T, ...]
+        gradient per chunk (O(T^2 / chunk) memory traffic). Other rows are sliced.
+        """
+        if self._chunks:
+            size, q_chunks, w_chunks = self._chunks
+            i = rows.start // size
+            if rows.start % size == 0 and i < len(q_chunks) and rows.stop - rows.start == q_chunks[i].shape[0]:
+                return q_chunks[i], w_chunks[i]
+        return self.q[rows], self.w[rows]
 
 
 class Indexer(nn.Module):
@@ -79,16 +98,18 @@ class Indexer(nn.Module):
     def score_all(inp: IndexerInputs, rows: slice, lo: int, hi: int) -> torch.Tensor:
         """Scores of the query rows (local) against logical entries lo..hi-1: [R, hi - lo] (accumulation dtype)."""
         acc = acc_dtype(inp.q.dtype)
-        logits = torch.einsum("rhd,cd->rhc", inp.q[rows].to(acc), inp.keys.rows(lo, hi).to(acc))  # [R, H_I, Nc]
-        return torch.einsum("rhc,rh->rc", logits.relu(), inp.w[rows])
+        q, w = inp.at_rows(rows)
+        logits = torch.einsum("rhd,cd->rhc", q.to(acc), inp.keys.rows(lo, hi).to(acc))  # [R, H_I, Nc]
+        return torch.einsum("rhc,rh->rc", logits.relu(), w)
 
     @staticmethod
     def score_at(inp: IndexerInputs, rows: slice, idx: torch.Tensor) -> torch.Tensor:
         """Scores at given entries: idx [R, K] global logical entry ids -> [R, K] (accumulation dtype)."""
         acc = acc_dtype(inp.q.dtype)
         keys = inp.keys.at(idx).to(acc)  # [R, K, d_I]
-        logits = torch.einsum("rhd,rkd->rhk", inp.q[rows].to(acc), keys)  # [R, H_I, K]
-        return torch.einsum("rhk,rh->rk", logits.relu(), inp.w[rows])
+        q, w = inp.at_rows(rows)
+        logits = torch.einsum("rhd,rkd->rhk", q.to(acc), keys)  # [R, H_I, K]
+        return torch.einsum("rhk,rh->rk", logits.relu(), w)
 
 
 def select_topk(inp: IndexerInputs, vis_idx: torch.Tensor, vis_valid: torch.Tensor, rows: slice,
