@@ -99,3 +99,55 @@ def test_indexer_scores_and_topk(dtype):
     k2 = ref.indexer_topk(q.double(), w.double(), keys.double(), first, nvis, 64, 900 // 4)
     same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(k1.cpu(), k2.cpu())]
     assert sum(same) >= 0.99 * T, sum(same)
+
+
+def _model_ranges(lengths, window, ratio, hca: bool):
+    """The layer's per-query ranges for segments ``lengths``: the window over token rows and,
+    with ``hca``, every visible compressed entry (rows after the tokens); bounds non-decreasing in t."""
+    T = sum(lengths)
+    cu = torch.tensor([0] + lengths, device=DEV).cumsum(0)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=DEV), torch.tensor(lengths, device=DEV))
+    t = torch.arange(T, device=DEV)
+    pos = t - cu[seg]
+    counts = torch.tensor(lengths, device=DEV) // ratio
+    first = (torch.cumsum(counts, 0) - counts)[seg]
+    a_lo = torch.maximum(t - pos, t - window + 1)
+    b_lo = (T + first) if hca else t * 0
+    b_hi = (b_lo + (pos + 1) // ratio) if hca else t * 0
+    return torch.stack((a_lo, t + 1, b_lo, b_hi), 1).int(), T + int(counts.sum())
+
+
+@pytest.mark.parametrize("dtype,tol,H", [(torch.bfloat16, 1e-2, 64), (torch.float32, 1e-4, 16),
+                                         (torch.float32, 1e-4, 64)])
+@pytest.mark.parametrize("layer", ["SWA", "HCA", "CSA"])
+def test_backward_with_model_ranges_matches_reference(dtype, tol, H, layer):
+    """Model-shaped candidates (non-decreasing ranges): the range dKV comes from the key-major
+    kernel (bf16 and float32 with H=16; float32 at 64 x 512 scatters). Fresh inputs each run."""
+    D, W = 512, 128
+    lengths = [1900, 700, 517]
+    ranges, N = _model_ranges(lengths, W, 16 if layer == "HCA" else 4, hca=layer == "HCA")
+    T = ranges.shape[0]
+    q = torch.randn(T, H, D, device=DEV).to(dtype).requires_grad_()
+    kv = torch.randn(N, D, device=DEV).to(dtype).requires_grad_()
+    sink = torch.randn(H, device=DEV).requires_grad_()
+    idx = None
+    if layer == "CSA":  # top-k over the entries after the tokens, some slots empty
+        idx = (torch.rand(T, 64, device=DEV) * (N - T)).long() + T
+        idx = torch.where(torch.rand(T, 64, device=DEV) < 0.25, -1, idx).int()
+    plan = ta.key_major_plan(ranges, N, 64, 132)
+    assert plan is not None and [w[0] for w in plan] == ([0, 1] if layer == "HCA" else [0])
+    _poison()
+    out, lse = ta.sparse_sink_attention(q, kv, idx, sink, D ** -0.5, ranges)
+    g = torch.randn_like(out)
+    dq, dkv, dsink = torch.autograd.grad((out.float() * g.float()).sum(), (q, kv, sink))
+    assert all(bool(torch.isfinite(x).all()) for x in (out, dq, dkv, dsink))
+    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
+    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, D ** -0.5, ranges)
+    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd, sd))
+    errs = [_rel(out, o2), _rel(dq, r[0]), _rel(dkv, r[1]), _rel(dsink, r[2])]
+    assert max(errs) <= tol, errs
+
+
+def test_key_major_plan_refuses_decreasing_ranges():
+    ranges = torch.tensor([[0, 5, 0, 0], [3, 6, 0, 0], [1, 7, 0, 0]], device=DEV, dtype=torch.int32)
+    assert ta.key_major_plan(ranges, 8, 64, 132) is None
