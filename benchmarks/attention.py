@@ -305,12 +305,6 @@ SWEEP = {
     "bwd": [dict(BN=32, n_split=2, num_warps=8, num_stages=1), dict(BN=16, n_split=1, num_warps=8, num_stages=1),
             dict(BN=32, n_split=4, num_warps=4, num_stages=1), dict(BN=64, n_split=4, num_warps=8, num_stages=1),
             dict(BN=16, n_split=2, num_warps=4, num_stages=2), dict(BN=32, n_split=4, num_warps=8, num_stages=2)],
-    # timed on an HCA-shaped problem (window + every visible entry as ranges, no top-k)
-    "bwd_dq": [dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=1), dict(BN=64, n_split=1, BH=64, num_warps=8, num_stages=1),
-               dict(BN=32, n_split=2, BH=64, num_warps=8, num_stages=1), dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2)],
-    "range_dkv": [dict(BN=64, n_split=2, num_warps=4, num_stages=1), dict(BN=64, n_split=2, num_warps=8, num_stages=1),
-                  dict(BN=64, n_split=4, num_warps=8, num_stages=1), dict(BN=64, n_split=1, num_warps=8, num_stages=1),
-                  dict(BN=128, n_split=4, num_warps=8, num_stages=1), dict(BN=64, n_split=4, num_warps=4, num_stages=1)],
 }
 
 
@@ -327,14 +321,10 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
     idx = (torch.rand(T, K, device=DEV) * nvis[:, None].clamp_min(1)).long()
     idx = torch.where(torch.arange(K, device=DEV)[None, :] < nvis[:, None], idx + T, -1).int()  # may repeat: timing only
     ranges = torch.stack(((t - W + 1).clamp_min(0), t + 1, t * 0, t * 0), 1).int()
-    csa = (kv, idx, ranges, int((ranges[:, 1] - ranges[:, 0]).sum() + (idx >= 0).sum()))
-    kv_h = torch.randn(T + T // 128, D, device=DEV, dtype=torch.bfloat16)
-    ranges_h = torch.stack(((t - W + 1).clamp_min(0), t + 1, t * 0 + T, T + (t + 1) // 128), 1).int()
-    hca = (kv_h, None, ranges_h, int((ranges_h[:, 1] - ranges_h[:, 0] + ranges_h[:, 3] - ranges_h[:, 2]).sum()))
+    n = int((ranges[:, 1] - ranges[:, 0]).sum() + (idx >= 0).sum())
     out = []
-    for kind in ("fwd", "bwd", "bwd_dq", "range_dkv"):
+    for kind in ("fwd", "bwd"):
         best = None
-        kv, idx, ranges, n = csa if kind in ("fwd", "bwd") else hca
         for cfg in SWEEP[kind]:
             ta.CONFIGS[kind]["lp"] = cfg
             try:

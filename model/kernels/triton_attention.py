@@ -22,8 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .key_major import key_major_plan
-
 LOG2E = 1.4426950408889634
 
 # Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
@@ -34,13 +32,7 @@ CONFIGS = {
             "fp32": dict(BN=16, n_split=4, BH=16, num_warps=4, num_stages=1)},
     "teacher": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
                 "fp32": dict(BN=16, n_split=1, BH=16, num_warps=4, num_stages=1)},
-    # the query-major backward when no candidate is scattered (no top-k): dq only, like "fwd"
-    "bwd_dq": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=1),
-               "fp32": dict(BN=16, n_split=2, BH=16, num_warps=4, num_stages=1)},
-    "range_dkv": {"lp": dict(BN=64, n_split=2, num_warps=8, num_stages=1),
-                  "fp32": dict(BN=16, n_split=4, num_warps=4, num_stages=1)},
 }
-_SM_COUNT: dict = {}
 
 
 def _kind(dtype: torch.dtype) -> str:
@@ -113,7 +105,7 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk
 
 @triton.jit
 def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, sm_scale, offs_d, dv0,
-              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, WITH_DKV: tl.constexpr):
+              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
     rows64 = rows.to(tl.int64)
     kvt = tl.load(KV + rows64[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
@@ -127,22 +119,18 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
         offs_v = dv0 + tl.arange(0, DV)
         kvv = tl.load(KV + rows64[:, None] * D + offs_v[None, :], mask=valid[:, None], other=0.0)
     dq = tl.dot(ds.to(kvv.dtype), kvv, dq, input_precision=PREC)
-    if WITH_DKV:
-        dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
-        dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
-        offs_v = dv0 + tl.arange(0, DV)
-        tl.atomic_add(DKV + rows64[:, None] * D + offs_v[None, :], dkv, mask=valid[:, None], sem="relaxed")
+    dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
+    dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
+    offs_v = dv0 + tl.arange(0, DV)
+    tl.atomic_add(DKV + rows64[:, None] * D + offs_v[None, :], dkv, mask=valid[:, None], sem="relaxed")
     return dq
 
 
 @triton.jit
 def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
                 H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
-                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr, RANGE_DKV: tl.constexpr):
-    """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D].
-
-    ``RANGE_DKV``: also scatter the dKV of the range candidates (atomics); False when
-    :func:`_range_dkv` computes them key-major afterwards (the top-k part always scatters)."""
+                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
+    """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D]."""
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -169,68 +157,16 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
             for start in range(lo, hi, BN):
                 rows = start + offs_n
                 dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows < hi, lse2, delta, dq, qk_scale, sm_scale,
-                               offs_d, dv0, D, DV, PREC, RANGE_DKV)
+                               offs_d, dv0, D, DV, PREC)
     if HAS_IDX:
         for start in range(0, K_SEL, BN):
             sel = start + offs_n
             rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
             dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows >= 0, lse2, delta, dq, qk_scale, sm_scale,
-                           offs_d, dv0, D, DV, PREC, True)
+                           offs_d, dv0, D, DV, PREC)
     tl.store(DQ + base + offs_v[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))
     if tl.program_id(1) == 0:
         tl.store(DELTA + t * H + offs_h, delta)
-
-
-@triton.jit
-def _range_dkv(Q, KV, DO, LSE, DELTA, RNG, QS, QE, DKV, ROW0, N, QCHUNK, sq_t, sq_h, qk_scale, sm_scale,
-               R: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr,
-               PREC: tl.constexpr):
-    """dKV of the range candidates, key-major: one program per (block of BN kv rows from ROW0, QCHUNK queries).
-
-    The queries whose range ``R`` (0: ``RNG[t, 0:2]``, 1: ``RNG[t, 2:4]``) meets the block are
-    ``QS[block] .. QE[block]`` (the bounds are non-decreasing in t, so they are contiguous).
-    Per query the block's scores are an [H x BN] product, and
-    ``dKV[BN, D] += p^T dO + (dS * scale)^T Q`` accumulates in registers: one float32 add per
-    row and program at the end instead of one atomic per (query, candidate, element).
-    ``program_id(2)`` picks the DV-wide slice of dKV this program owns (scores use all of D).
-    """
-    blk = tl.program_id(0)
-    offs_n = ROW0 + blk * BN + tl.arange(0, BN)
-    offs_h = tl.arange(0, H)
-    offs_d = tl.arange(0, D)
-    offs_v = tl.program_id(2) * DV + tl.arange(0, DV)
-    t0 = tl.load(QS + blk) + tl.program_id(1) * QCHUNK
-    t1 = tl.minimum(tl.load(QE + blk), t0 + QCHUNK)
-    if t0 < t1:
-        in_kv = offs_n < N
-        kv = tl.load(KV + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :], mask=in_kv[:, None], other=0.0)
-        acc = tl.zeros([BN, DV], tl.float32)
-        for t in range(t0, t1):
-            t64 = t.to(tl.int64)
-            lo = tl.load(RNG + t64 * 4 + 2 * R)
-            hi = tl.load(RNG + t64 * 4 + 2 * R + 1)
-            valid = (offs_n >= lo) & (offs_n < hi)
-            base = t64 * sq_t + offs_h[:, None] * sq_h + offs_d[None, :]
-            q = tl.load(Q + base)
-            do = tl.load(DO + base)
-            lse2 = tl.load(LSE + t64 * H + offs_h) * 1.4426950408889634
-            delta = tl.load(DELTA + t64 * H + offs_h)
-            # heads as M: the block's kv tile is the (shared-memory) B operand of every product
-            s = tl.dot(q, tl.trans(kv), input_precision=PREC) * qk_scale  # [H, BN]
-            p = tl.where(valid[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(kv), input_precision=PREC)
-            ds = p * (dp - delta[:, None]) * sm_scale
-            if DV == D:
-                qv = q
-                dov = do
-            else:
-                vbase = t64 * sq_t + offs_h[:, None] * sq_h + offs_v[None, :]
-                qv = tl.load(Q + vbase)
-                dov = tl.load(DO + vbase)
-            acc = tl.dot(tl.trans(p.to(dov.dtype)), dov, acc, input_precision=PREC)  # [BN, DV]
-            acc = tl.dot(tl.trans(ds.to(qv.dtype)), qv, acc, input_precision=PREC)
-        tl.atomic_add(DKV + offs_n.to(tl.int64)[:, None] * D + offs_v[None, :], acc, mask=in_kv[:, None],
-                      sem="relaxed")
 
 
 @triton.jit
@@ -289,50 +225,22 @@ def attention_fwd(q, kv, idx, sink, scale, ranges=None):
     return out, lse
 
 
-def _sm_count(device: torch.device) -> int:
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return _SM_COUNT[device]
-
-
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
-    """Gradients (dq [T, H, D], dkv [N, D] float32, delta [T, H]) of :func:`attention_fwd`.
-
-    Query-major pass: dq for every candidate, and the dKV of the top-k candidates scattered
-    with atomics (rows are shared by queries in no regular pattern). The range candidates
-    (sliding window, HCA / dense-mode CSA entries) get their dKV from the key-major
-    :func:`_range_dkv` when the range bounds are non-decreasing in t (always in the model):
-    no per-element atomics for them.
-    """
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
-    kind = _kind(q.dtype)
-    # key-major needs one query's q and dO tiles in shared memory: 16-bit 64 x 512 fits, float32 does not
-    fits = H * D * q.element_size() <= 65536
-    plan = key_major_plan(rng_t, kv.shape[0], CONFIGS["range_dkv"][kind]["BN"], _sm_count(q.device)) \
-        if has_rng and T and fits else None
-    cfg = CONFIGS["bwd" if has_idx or plan is None else "bwd_dq"][kind]
+    cfg = CONFIGS["bwd"][_kind(q.dtype)]
     DV = D // cfg["n_split"]
     dout = dout.to(q.dtype).contiguous()
     out = out.contiguous()
-    lse = lse.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T:
         _sparse_bwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
-            q, kv, idx_t, rng_t, out, dout, lse, dq, dkv, delta, K, q.stride(0), q.stride(1),
+            q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, K, q.stride(0), q.stride(1),
             scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H), HAS_IDX=has_idx,
-            HAS_RNG=has_rng, PREC=_prec(q.dtype), RANGE_DKV=plan is None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    rcfg = CONFIGS["range_dkv"][kind]
-    n_split = max(1, min(rcfg["n_split"], D // 16))  # dKV slices of at least 16 columns
-    for r, first, qs, qe, splits, qchunk in plan or []:
-        _range_dkv[(qs.shape[0], splits, n_split)](
-            q, kv, dout, lse, delta, rng_t, qs, qe, dkv, first, kv.shape[0], qchunk, q.stride(0), q.stride(1),
-            scale * LOG2E, scale,
-            R=r, H=H, D=D, DV=D // n_split, BN=rcfg["BN"], PREC=_prec(q.dtype), num_warps=rcfg["num_warps"],
-            num_stages=rcfg["num_stages"])
+            HAS_RNG=has_rng,
+            PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dkv, delta
 
 
