@@ -299,9 +299,9 @@ def sdpa_time(T, H, D, reps):
 
 
 SWEEP = {
-    "fwd": [dict(BN=32, n_split=1, DC=64, num_warps=8, num_stages=2), dict(BN=32, n_split=1, DC=128, num_warps=8, num_stages=2),
-            dict(BN=32, n_split=1, DC=64, num_warps=8, num_stages=3), dict(BN=64, n_split=1, DC=64, num_warps=8, num_stages=2),
-            dict(BN=32, n_split=1, DC=512, num_warps=8, num_stages=2), dict(BN=16, n_split=1, DC=64, num_warps=4, num_stages=3)],
+    "fwd": [dict(BN=32, n_split=1, num_warps=8, num_stages=2), dict(BN=64, n_split=1, num_warps=8, num_stages=1),
+            dict(BN=32, n_split=2, num_warps=8, num_stages=2), dict(BN=32, n_split=2, num_warps=4, num_stages=2),
+            dict(BN=64, n_split=2, num_warps=8, num_stages=2), dict(BN=16, n_split=1, num_warps=4, num_stages=3)],
     "bwd": [dict(BN=32, n_split=2, num_warps=8, num_stages=1), dict(BN=16, n_split=1, num_warps=8, num_stages=1),
             dict(BN=32, n_split=4, num_warps=4, num_stages=1), dict(BN=64, n_split=4, num_warps=8, num_stages=1),
             dict(BN=16, n_split=2, num_warps=4, num_stages=2), dict(BN=32, n_split=4, num_warps=8, num_stages=2)],

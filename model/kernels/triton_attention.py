@@ -26,7 +26,7 @@ LOG2E = 1.4426950408889634
 
 # Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
 CONFIGS = {
-    "fwd": {"lp": dict(BN=32, n_split=1, BH=64, DC=64, num_warps=8, num_stages=2),
+    "fwd": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
             "fp32": dict(BN=16, n_split=2, BH=16, num_warps=4, num_stages=1)},
     "bwd": {"lp": dict(BN=32, n_split=4, BH=64, num_warps=4, num_stages=1),
             "fp32": dict(BN=16, n_split=4, BH=16, num_warps=4, num_stages=1)},
@@ -52,38 +52,35 @@ def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _fwd_tile(q_ptrs, KV, rows, valid, m, l, acc, qk_scale, dv0,
-              D: tl.constexpr, DV: tl.constexpr, DC: tl.constexpr, PREC: tl.constexpr):
-    """One tile of BN candidate rows for one query: q_ptrs [H, DC] points at q[:, 0:DC].
-
-    The scores are summed over D in DC-wide slices read per tile (L1 hits after the first tile):
-    a whole [H, D] q tile held across the loop would pin 64 registers per thread and spill."""
+def _fwd_tile(q, KV, rows, valid, m, l, acc, qk_scale, offs_d, dv0,
+              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
     rows64 = rows.to(tl.int64)
-    offs_c = tl.arange(0, DC)
-    s = tl.zeros([q_ptrs.shape[0], rows.shape[0]], tl.float32)
-    for c in tl.static_range(D // DC):
-        kvc = tl.load(KV + rows64[:, None] * D + (c * DC + offs_c)[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(tl.load(q_ptrs + c * DC), tl.trans(kvc), s, input_precision=PREC)
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    kvt = tl.load(KV + rows64[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.math.exp2(m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    offs_v = dv0 + tl.arange(0, DV)
-    kvv = tl.load(KV + rows64[:, None] * D + offs_v[None, :], mask=valid[:, None], other=0.0)
+    if DV == D:
+        kvv = kvt
+    else:
+        offs_v = dv0 + tl.arange(0, DV)
+        kvv = tl.load(KV + rows64[:, None] * D + offs_v[None, :], mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(kvv.dtype), kvv, input_precision=PREC)
     return m_new, l, acc
 
 
 @triton.jit
 def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk_scale,
-                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, DC: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
                 HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
-    q_ptrs = Q + t * sq_t + offs_h[:, None] * sq_h + tl.arange(0, DC)[None, :]
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
     m = tl.load(SINK + offs_h).to(tl.float32) * 1.4426950408889634
     l = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, DV], tl.float32)
@@ -93,12 +90,12 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk
             hi = tl.load(RNG + t * 4 + 2 * r + 1)
             for start in range(lo, hi, BN):
                 rows = start + offs_n
-                m, l, acc = _fwd_tile(q_ptrs, KV, rows, rows < hi, m, l, acc, qk_scale, dv0, D, DV, DC, PREC)
+                m, l, acc = _fwd_tile(q, KV, rows, rows < hi, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
     if HAS_IDX:
         for start in range(0, K_SEL, BN):
             sel = start + offs_n
             rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-            m, l, acc = _fwd_tile(q_ptrs, KV, rows, rows >= 0, m, l, acc, qk_scale, dv0, D, DV, DC, PREC)
+            m, l, acc = _fwd_tile(q, KV, rows, rows >= 0, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
     out = acc / l[:, None]
     offs_v = dv0 + tl.arange(0, DV)
     tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_v[None, :], out.to(O.dtype.element_ty))
@@ -243,8 +240,8 @@ def attention_fwd(q, kv, idx, sink, scale, ranges=None):
     if T:
         _sparse_fwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
             q, kv, idx_t, rng_t, sink.float().contiguous(), out, lse, K, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, DC=min(cfg.get("DC", D), D), BN=cfg["BN"],
-            BH=min(cfg["BH"], H), HAS_IDX=has_idx,
+            out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H),
+            HAS_IDX=has_idx,
             HAS_RNG=has_rng, PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
