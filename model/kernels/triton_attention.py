@@ -8,7 +8,8 @@ so a query with no valid candidate is well defined (out = 0, lse = sink).
 
 Backward: per query, recompute p from the saved lse, ``dS = p * (dP - delta)``;
 dQ accumulates in registers, dKV tiles [BN, D] go to a float32 buffer with relaxed
-atomic adds (rows are shared across queries; V = K so both terms land in one row).
+``red.global.add.v2.f32`` reductions on column pairs (rows are shared across queries;
+V = K so both terms land in one row).
 dsink = -sum_t exp(sink - lse) * delta (one tiny torch reduction).
 
 Memory: O(T * H * D) for q/out/dq, O(N * D) float32 for dkv; nothing in T^2.
