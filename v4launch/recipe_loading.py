@@ -159,6 +159,7 @@ class LoadedRecipe:
     resolved: dict
     path: Path
     sources: SourceMap = field(repr=False)
+    overrides: tuple[str, ...] = ()  # the dotlist overrides applied, in order (CLI options included)
 
     def source_of(self, dotted_field: str) -> str:
         """Where ``dotted_field`` was set: ``"recipes/x.yaml:12"``, ``"override k=v"`` or ``"default"``."""
@@ -188,7 +189,10 @@ def _find(path: str | Path) -> Path:
                     return Path(str(pkg.joinpath(name))).resolve()
         except (ModuleNotFoundError, TypeError):
             pass
-    raise RecipeError(f"recipe not found: {path}", hint="give a path to a .yaml recipe, e.g. recipes/flash_4n.yaml")
+    shipped_names = sorted(f.stem for f in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+    raise RecipeError(f"recipe not found: {path}",
+                      hint="give the path of a .yaml recipe, or the name of a shipped one: "
+                           + (", ".join(shipped_names) or "flash_4n"))
 
 
 def _merge(base: dict, child: dict) -> dict:
@@ -309,4 +313,4 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
         message, hint = describe_validation_error(err, sources.lookup, display_path(file))
         raise RecipeError(message, hint) from None
     resolved = recipe.model_dump(mode="json", exclude_computed_fields=True)
-    return LoadedRecipe(recipe, resolved, file, sources)
+    return LoadedRecipe(recipe, resolved, file, sources, tuple(overrides))

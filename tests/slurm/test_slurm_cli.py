@@ -56,10 +56,16 @@ def test_submit_defaults_to_the_workspace_recipe(ws):
 
 
 def test_contract_violation_refuses_with_rule_ids(ws):
-    out = cli("submit", TINY, "parallel.cp=3", "--dry-run", cwd=ws)
+    out = cli("submit", TINY, "parallel.cp=3", "--nodes", "2", "--dry-run", cwd=ws)
     assert out.returncode == 1
     assert "V4-WORLD-SIZE" in out.stderr and "Traceback" not in out.stderr
     assert not (ws / "runs").exists()
+    # the hint reproduces the refusal: same recipe, same overrides, --nodes included
+    hint = " ".join(out.stderr.split())
+    assert f"v4launch validate {TINY} parallel.cp=3 cluster.nodes=2" in hint, hint
+    again = subprocess.run([V4LAUNCH, "validate", TINY, "parallel.cp=3", "cluster.nodes=2"], cwd=ws,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "V4-WORLD-SIZE" in again.stdout + again.stderr
 
 
 def test_unknown_sbatch_parameter_lists_the_valid_ones(ws):

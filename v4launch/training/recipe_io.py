@@ -8,6 +8,8 @@ Validation likewise uses ``v4launch.validators.validate_recipe`` when available.
 
 from __future__ import annotations
 
+import shlex
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -83,7 +85,10 @@ def check_recipe(loaded: Any) -> list[str]:
         lines = [f"{v.rule_id}" + (f" [stage {v.stage}]" if v.stage else "") + f" {v.field}={v.value!r}: {v.message}"
                  f" (set at {v.source}; fix: {v.fix})" for v in report.violations]
         ids = ", ".join(sorted(report.failed_rule_ids()))
+        from ..recipe_loading import display_path
+
+        again = shlex.join(["v4launch", "validate", display_path(loaded.path), *getattr(loaded, "overrides", ())])
         raise ContractViolation(
             f"[{ids}] recipe {loaded.recipe.name} breaks the V4 contract ({len(lines)} violation(s)):\n  " + "\n  ".join(lines),
-            hint="run `v4launch validate RECIPE` for the full report, fix the fields, then run again")
+            hint=f"`{again}` gives the full report (the same recipe and overrides); fix the fields, then run again")
     return [f"{w.rule_id}: {w.message}" for w in report.warnings]
