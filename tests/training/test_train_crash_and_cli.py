@@ -131,3 +131,31 @@ def test_resume_refused_while_the_run_is_live_writes_nothing(stopped_run):
     assert code == 1 and "already running" in text
     assert not paths.resume.exists(), "a refused resume must not leave a pending request"
     assert paths.recipe.read_text() == recipe_before, "a refused resume must not re-freeze the recipe"
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_recipe):
+    """A real SIGINT to `v4launch run`: the step finishes, a checkpoint is saved, the exit code is
+    130 (not 0: the curriculum did not end) and the message says how to continue."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    recipe = write_recipe(over={"curriculum": {"stages": [
+        {"name": "dense", "seq_len": 64, "phase": "dense", "steps": 5000}]}, "logging": {"interval_steps": 1}})
+    exe = str(Path(sys.executable).with_name("v4launch"))
+    proc = subprocess.Popen([exe, "run", str(recipe), "--no-progress"], cwd=workspace, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, COLUMNS="200"))
+    deadline = time.monotonic() + 180
+    for line in proc.stdout:  # wait until training steps are being logged
+        if " step 3/" in line or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, (out[-2000:], err[-2000:])
+    text = " ".join((out + err).split())
+    assert "stopped at step" in text and "continue with `v4launch resume" in text and "Traceback" not in text
+    run_dir = next((workspace / "runs").iterdir())
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    assert ckpt is not None and 3 <= int(ckpt.name.split("_")[1]) < 5000

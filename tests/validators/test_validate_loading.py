@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 import yaml
 
@@ -201,3 +203,17 @@ def test_missing_file_and_shipped_names(tmp_path: Path):
 def test_non_finite_numbers_are_refused_with_the_field(value):
     with pytest.raises(RecipeError, match=r"optimizer\.lr.*finite number"):
         load_recipe(RECIPES / "tiny_cpu.yaml", [f"optimizer.lr={value}"])
+
+
+@pytest.mark.parametrize("override", ["model.dim=true", "parallel.cp=false", "optimizer.lr=yes",
+                                      "curriculum.stages.0.steps=true", "model.mhc.sinkhorn_iters=no"])
+def test_booleans_are_not_taken_for_numbers(override):
+    """pydantic's lax mode reads YAML `true` as 1; a recipe number must be a number."""
+    field = override.split("=")[0]
+    with pytest.raises(RecipeError, match=rf"{re.escape(field)}.*a number is required, not the boolean"):
+        load_recipe(RECIPES / "tiny_cpu.yaml", [override])
+
+
+def test_boolean_fields_still_take_booleans():
+    loaded = load_recipe(RECIPES / "tiny_cpu.yaml", ["logging.tensorboard=false", "run.deterministic=false"])
+    assert loaded.recipe.logging.tensorboard is False and loaded.recipe.run.deterministic is False

@@ -91,10 +91,11 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     Workspace.current().remember(run=str(info.paths.root))
     launched = launcher.launch(info.paths.root)
     if launched.result is not None:
-        from .run import print_summary
+        from .run import exit_if_stopped, print_summary
 
         entropy = (info.meta.get("extra") or {}).get("unigram_entropy_nats")
         print_summary(info.paths.root, launched.result, entropy)
+        exit_if_stopped(info.paths.root, launched.result)
     elif launched.job_id:
         OUT.console.print(f"resumed as {launched.launcher} job [bold]{launched.job_id}[/bold]")
 

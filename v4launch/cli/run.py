@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -71,6 +72,23 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     OUT.console.print(f"run directory: [bold]{run_dir}[/bold]")
     info = LocalLauncher().launch(run_dir, max_steps=max_steps, progress=not no_progress)
     print_summary(run_dir, info.result, dataset.entropy_nats)
+    exit_if_stopped(run_dir, info.result)
+
+
+EXIT_STOPPED = 130  # the shell's code for an interrupt: stopped by Ctrl-C / SIGTERM, checkpoint saved
+
+
+def exit_if_stopped(run_dir: Path, result: Any) -> None:
+    """A run stopped by a signal before its curriculum ended exits 130 and says how to continue.
+
+    Raises:
+        typer.Exit: code 130 when ``result.status == "stopped"``; nothing otherwise ("completed",
+            or "max_steps" asked for with --max-steps, exit 0).
+    """
+    if result is not None and result.status == "stopped":
+        OUT.note(f"stopped at step {result.step} before the curriculum ended (checkpoint saved): "
+                 f"continue with `v4launch resume {shlex.quote(str(run_dir))}`")
+        raise typer.Exit(EXIT_STOPPED)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
