@@ -102,7 +102,8 @@ def read_yaml(path: Path) -> tuple[dict, dict[str, tuple[int, str]]]:
     finally:
         loader.dispose()
     if not isinstance(data, dict):
-        raise RecipeError(f"{shown}: a recipe is a mapping of sections (name:, model:, parallel:, …), got {type(data).__name__}",
+        got = "an empty file" if data is None else f"a {type(data).__name__} ({_first_line(repr(data))[:60]})"
+        raise RecipeError(f"{shown}: a recipe is a mapping of sections (name:, model:, parallel:, …), got {got}",
                           hint="start from a shipped recipe, e.g. recipes/flash.yaml")
     lines: dict[str, tuple[int, str]] = {}
     _walk(node, "", lines)

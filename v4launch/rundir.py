@@ -186,9 +186,17 @@ def read_run_json(run_dir: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UsageError(f"{run_dir} is not a run directory (cannot read {path.name}: {exc})",
-                         hint="pass a directory created by `v4launch run` or `v4launch submit`, "
-                              "e.g. runs/tiny_cpu-20260101-120000") from None
+        if not Path(run_dir).exists():
+            why = "no such directory"
+        elif not path.exists():
+            why = f"it has no {path.name}"
+        else:
+            why = f"cannot read {path.name}: {getattr(exc, 'strerror', None) or exc}"
+        runs = sorted(p.name for p in Path(run_dir).parent.glob("*") if (p / path.name).is_file())[-3:]
+        raise UsageError(f"{run_dir} is not a run directory ({why})",
+                         hint="pass a directory created by `v4launch run` or `v4launch submit`"
+                              + (f"; the newest beside it: {', '.join(runs)}" if runs else
+                                 ", e.g. runs/tiny_cpu-20260101-120000")) from None
 
 
 @dataclass(frozen=True)

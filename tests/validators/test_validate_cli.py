@@ -93,7 +93,9 @@ def test_explain(in_tmp: Path):
     assert code == 0 and rule.statement[:40] in " ".join(out.split()) and "cp_utils.py" in out and "fix:" in out
     assert invoke(["explain", "cp-boundary"])[0] == 0
     code, out, err, _ = invoke(["explain", "V4-CP-BOUNDRY"])
-    assert code == 2 and "did you mean V4-CP-BOUNDARY" in err and "V4-TP-ONE" in out
+    assert code == 2 and "did you mean V4-CP-BOUNDARY" in err and "V4-TP-ONE" not in out
+    code, out, err, _ = invoke(["explain", "QQQQ-ZZZZ"])  # nothing close: the list of rules instead
+    assert code == 2 and "unknown rule id" in err and "V4-TP-ONE" in out
     code, out, _, _ = invoke(["explain"])
     assert code == 0 and all(rid in out for rid in RULES)
     code, out, _, _ = invoke(["explain", "V4-TP-ONE", "--json"])
@@ -103,3 +105,24 @@ def test_explain(in_tmp: Path):
 def test_help_has_examples():
     code, out, _, _ = invoke(["validate", "--help"])
     assert code == 0 and "validate recipes/flash_4n.yaml" in out and "Exit 0" in " ".join(out.split())
+
+
+def test_version_and_non_mapping_recipes(in_tmp: Path):
+    code, out, _, _ = invoke(["--version"])
+    assert code == 0 and out.startswith("v4launch ")
+    (in_tmp / "empty.yaml").write_text("")
+    code, _, err, _ = invoke(["validate", str(in_tmp / "empty.yaml")])
+    assert code == 2 and "got an empty file" in err
+    (in_tmp / "list.yaml").write_text("[1, 2]\n")
+    code, _, err, _ = invoke(["validate", str(in_tmp / "list.yaml")])
+    assert code == 2 and "got a list ([1, 2])" in err
+
+
+def test_missing_run_directory_says_what_is_missing(in_tmp: Path):
+    (in_tmp / "runs" / "tiny-1").mkdir(parents=True)
+    (in_tmp / "runs" / "tiny-1" / "run.json").write_text("{}")
+    code, _, err, _ = invoke(["status", "runs/nope"])
+    assert code == 2 and "not a run directory (no such directory)" in err and "tiny-1" in err
+    (in_tmp / "runs" / "empty").mkdir()
+    code, _, err, _ = invoke(["status", "runs/empty"])
+    assert code == 2 and "(it has no run.json)" in err

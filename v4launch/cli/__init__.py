@@ -35,6 +35,23 @@ def _register() -> None:
 _register()
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"v4launch {version('v4launch')}")
+        except PackageNotFoundError:
+            print("v4launch (not installed: running from a source tree)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print the version and exit.")) -> None:
+    """Validate, run and launch DeepSeek-V4-style training recipes."""
+
+
 def main() -> None:
     """Console-script entry point. Usage errors exit 2 (typer); user errors exit with their code, no traceback."""
     try:

@@ -50,7 +50,7 @@ def _list_rules() -> None:
 
 
 def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
-    """Print one rule (or all rules); an unknown id lists every rule and exits 2."""
+    """Print one rule (or all rules); an unknown id exits 2 with the closest id, or the rule list when none is close."""
     from ..validators import RULES
     from ..validators.schema_errors import did_you_mean
 
@@ -63,7 +63,7 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
     rule = _lookup(rule_id)
     if rule is None:
         guess = did_you_mean(rule_id.strip().upper(), list(RULES)) or did_you_mean(f"V4-{rule_id.strip().upper()}", list(RULES))
-        if not as_json:
+        if not as_json and not guess:  # nothing close: show what exists
             _list_rules()
         mean = f" (did you mean {guess[0]}?)" if guess else ""
         raise UsageError(f"unknown rule id '{rule_id}'{mean}", hint="`v4launch explain` lists every rule")
