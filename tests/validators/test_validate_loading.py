@@ -148,7 +148,7 @@ def test_override_of_unknown_key_is_reported_as_override(tmp_path: Path):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [("name: a\nmodel: {dim: 1\n", "invalid YAML"), ("name: a\nname: b\n", "duplicate key 'name' (first set on line 1)"),
-     ("- a\n- b\n", "a recipe is a mapping"), ("", "got NoneType"), ("name: a\n\tmodel: 1\n", "invalid YAML")],
+     ("- a\n- b\n", "a recipe is a mapping"), ("", "got an empty file"), ("name: a\n\tmodel: 1\n", "invalid YAML")],
 )
 def test_yaml_errors(tmp_path: Path, text: str, needle: str):
     path = tmp_path / "bad.yaml"
