@@ -159,3 +159,17 @@ def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_r
     run_dir = next((workspace / "runs").iterdir())
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and 3 <= int(ckpt.name.split("_")[1]) < 5000
+
+
+def test_resume_of_a_completed_run_starts_nothing(new_run):
+    run = new_run()
+    assert train(run, progress=False).status == "completed"
+    metrics = (run / "metrics.jsonl").read_text()
+    code, text = _cli("resume", str(run))
+    text = " ".join(text.split())
+    assert code == 0 and "has completed its curriculum" in text and "step 8 of 8" in text, text
+    assert "curriculum.stages.2.steps=" in text
+    assert (run / "metrics.jsonl").read_text() == metrics  # no worker ran, nothing was logged
+    # more steps through an override: then there is something to resume
+    code, text = _cli("resume", str(run), "curriculum.stages.2.steps=3", "--dry-run")
+    assert code == 0 and "has completed" not in text and "dry run" in text
