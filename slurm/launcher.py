@@ -69,6 +69,7 @@ def job_rows(run_dir: Path, recipe: Any) -> list[JobRow]:
     events = ledger.read(run_dir)
     ids = ledger.job_ids(events)
     states = query.current_states(ids)
+    waiting = query.pending_reasons(j for j, s in states.items() if (s or "").upper().startswith("PENDING"))
     metrics = last_metrics(run_dir) or {}
     ckpt = latest_checkpoint_path(run_dir)
     rows = []
@@ -86,7 +87,8 @@ def job_rows(run_dir: Path, recipe: Any) -> list[JobRow]:
                            phase=phase, step=step, loss=metrics.get("lm_loss", metrics.get("loss")) if newest else None,
                            checkpoint=ckpt.name if (newest and ckpt) else None,
                            restarts=sum(1 for e in mine if e.event == "requeue"),
-                           detail=(f"{last.event}: {last.detail}" if last else "")))
+                           detail=(f"pending: {waiting[job_id]}" if job_id in waiting else
+                                   f"{last.event}: {last.detail}" if last else "")))
     return rows
 
 

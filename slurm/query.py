@@ -40,6 +40,41 @@ def queue_states(job_ids: Iterable[str]) -> dict[str, str]:
     return out
 
 
+# squeue's %r for a pending job, in words, with what to do where the user can do something
+PENDING_REASONS = {
+    "Priority": "queued behind jobs of higher priority",
+    "Resources": "waiting for nodes / GPUs to become free",
+    "Dependency": "waiting for a job it depends on",
+    "BeginTime": "its begin time has not come yet",
+    "ReqNodeNotAvail": "a node it needs is down, drained or reserved (`sinfo -R` says why)",
+    "PartitionTimeLimit": "slurm.time_min is above the partition's time limit: lower it and resubmit",
+    "PartitionNodeLimit": "more nodes than the partition allows: resubmit with fewer --nodes",
+    "QOSMaxJobsPerUserLimit": "your QOS allows no more running jobs",
+    "QOSMaxGRESPerUser": "your QOS's per-user GPU limit is reached",
+    "AssocGrpGRES": "your account's GPU limit is reached",
+    "AssocMaxJobsLimit": "your account's job limit is reached",
+    "JobHeldUser": "held by you: `scontrol release JOBID`",
+    "JobHeldAdmin": "held by an administrator",
+}
+
+
+def pending_reasons(job_ids: Iterable[str]) -> dict[str, str]:
+    """Why each of the given jobs is pending (squeue ``%r``, e.g. ``Resources``), glossed with
+    :data:`PENDING_REASONS`; jobs not pending or without a reason are absent."""
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return {}
+    proc = _run(["squeue", "-h", "-j", ",".join(ids), "-t", "PENDING", "-o", "%i|%r"])
+    out: dict[str, str] = {}
+    if proc is not None and proc.returncode == 0:
+        for line in proc.stdout.splitlines():
+            job, _, reason = (part.strip() for part in line.partition("|"))
+            if job in ids and reason and reason != "None":
+                gloss = PENDING_REASONS.get(reason.split(",")[0].strip("()"))
+                out[job] = f"{reason}: {gloss.replace('JOBID', job)}" if gloss else reason
+    return out
+
+
 def accounting(job_ids: Iterable[str]) -> dict[str, dict[str, str]]:
     """sacct's record of the latest attempt of each job: State, ExitCode, Elapsed, Start, End."""
     ids = [str(j) for j in job_ids]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 
@@ -213,3 +214,22 @@ def test_requeued_callable_carries_no_stale_checkpoint(tmp_path):
     assert isinstance(fresh, SlurmTrainJob) and fresh is not job
     assert vars(fresh) == {"run_dir": str(tmp_path), "max_steps": 9, "entry": "v4launch.training.job:train"}
     assert b"step_00000002" not in pickle.dumps(fresh)
+
+
+def test_pending_reasons_from_squeue(tmp_path, monkeypatch):
+    """`status` says why a job waits: squeue's %r for pending jobs, in words where it is common."""
+    from v4launch.slurm import query
+
+    fake = tmp_path / "squeue"
+    fake.write_text("#!/bin/sh\n"
+                    "echo \"$@\" > \"$(dirname \"$0\")/args\"\n"
+                    "printf '101|Resources\\n102|(PartitionTimeLimit)\\n103|None\\n104|Weird_Reason\\n999|Priority\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    got = query.pending_reasons(["101", "102", "103", "104"])
+    assert got["101"] == "Resources: waiting for nodes / GPUs to become free"
+    assert got["102"].startswith("(PartitionTimeLimit): slurm.time_min is above the partition's time limit")
+    assert "103" not in got and got["104"] == "Weird_Reason" and "999" not in got  # not asked for
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-t") + 1] == "PENDING" and args[args.index("-j") + 1] == "101,102,103,104"
+    assert query.pending_reasons([]) == {}
