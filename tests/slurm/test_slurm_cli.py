@@ -60,6 +60,8 @@ def test_contract_violation_refuses_with_rule_ids(ws):
     assert out.returncode == 1
     assert "V4-WORLD-SIZE" in out.stderr and "Traceback" not in out.stderr
     assert not (ws / "runs").exists()
+    # one line per violation, naming every stage it occurs in (the labels are not eaten as markup)
+    assert "V4-WORLD-SIZE [stages dense_512, warmup_512] cluster.gpus_per_node=2" in " ".join(out.stderr.split())
     # the hint reproduces the refusal: same recipe, same overrides, --nodes included
     hint = " ".join(out.stderr.split())
     assert f"v4launch validate {TINY} parallel.cp=3 cluster.nodes=2" in hint, hint

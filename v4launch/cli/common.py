@@ -49,9 +49,11 @@ OUT = Output()
 
 def report_error(error: V4LaunchError) -> int:
     """Print ``error`` as message + hint on stderr; return its exit code."""
-    OUT.err.print(f"[bold red]error:[/bold red] {error.message}")
+    from rich.markup import escape  # messages quote user values and "[stage x]": never read them as markup
+
+    OUT.err.print(f"[bold red]error:[/bold red] {escape(error.message)}")
     if error.hint:
-        OUT.err.print(f"[yellow]hint:[/yellow] {error.hint}")
+        OUT.err.print(f"[yellow]hint:[/yellow] {escape(error.hint)}")
     if os.environ.get("V4LAUNCH_DEBUG") == "1":
         OUT.err.print_exception()
     return error.exit_code

@@ -70,6 +70,13 @@ def load_recipe(path: Path | str, overrides: Sequence[str] = ()) -> Any:
     return project_load(path, list(overrides))
 
 
+def _stage_label(names: list[str]) -> str:
+    named = [n for n in names if n]
+    if not named:
+        return ""
+    return f" [stage {named[0]}]" if len(named) == 1 else f" [stages {', '.join(named)}]"
+
+
 def check_recipe(loaded: Any) -> list[str]:
     """Validate the contract; return warning lines.
 
@@ -82,8 +89,11 @@ def check_recipe(loaded: Any) -> list[str]:
         return []
     report = validate_recipe(loaded)
     if not report.ok:
-        lines = [f"{v.rule_id}" + (f" [stage {v.stage}]" if v.stage else "") + f" {v.field}={v.value!r}: {v.message}"
-                 f" (set at {v.source}; fix: {v.fix})" for v in report.violations]
+        stages: dict[str, list[str]] = {}  # the same violation in several stages: one line naming them all
+        for v in report.violations:
+            text = f" {v.field}={v.value!r}: {v.message} (set at {v.source}; fix: {v.fix})"
+            stages.setdefault(f"{v.rule_id}\0{text}", []).append(str(v.stage) if v.stage else "")
+        lines = [key.split("\0")[0] + _stage_label(names) + key.split("\0")[1] for key, names in stages.items()]
         ids = ", ".join(sorted(report.failed_rule_ids()))
         from ..recipe_loading import display_path
 
