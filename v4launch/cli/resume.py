@@ -48,12 +48,6 @@ AllowTokenizer = _flag("--allow-tokenizer-change", "Accept another tokenizer.")
 AllowCold = _flag("--allow-cold-indexer", "Accept sparse attention with an indexer that never trained in warm-up.")
 
 
-def _checkpoint_step(checkpoint: Path) -> int:
-    from ..checkpoints import Manifest
-
-    return Manifest.read(checkpoint).step
-
-
 def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt = None, stage: StageOpt = None,
            recipe: RecipeOpt = None, allow_layer_change: AllowLayer = False, allow_phase_regression: AllowPhase = False,
            allow_optimizer_regroup: AllowRegroup = False, allow_tokenizer_change: AllowTokenizer = False,
@@ -87,7 +81,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     if not plan.report.ok:
         raise refusal(plan)
     stages = loaded.recipe.curriculum.stages
-    total, done = sum(s.steps for s in stages), _checkpoint_step(plan.checkpoint)
+    total, done = sum(s.steps for s in stages), plan.manifest.step
     if done >= total and plan.stage_index == len(stages) - 1:  # nothing left: no workers to start
         OUT.console.print(f"run {info.paths.root.name} has completed its curriculum: checkpoint {plan.checkpoint.name} "
                           f"is at step {done} of {total}; nothing to resume (add steps with an override such as "
