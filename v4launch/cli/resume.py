@@ -84,7 +84,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     total, done = sum(s.steps for s in stages), plan.manifest.step
     if done >= total and plan.stage_index == len(stages) - 1:  # nothing left: no workers to start
         OUT.console.print(f"run {info.paths.root.name} has completed its curriculum: checkpoint {plan.checkpoint.name} "
-                          f"is at step {done} of {total}; nothing to resume (add steps with an override such as "
+                          f"is at step {done} of {total}; nothing to resume (to train 100 more steps in the last stage: "
                           f"curriculum.stages.{len(stages) - 1}.steps={stages[-1].steps + 100})", markup=False)
         return
     if dry_run:
