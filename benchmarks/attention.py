@@ -299,18 +299,19 @@ def sdpa_time(T, H, D, reps):
 
 
 SWEEP = {
-    "fwd": [dict(BN=32, n_split=1, num_warps=8, num_stages=2), dict(BN=64, n_split=1, num_warps=8, num_stages=1),
-            dict(BN=32, n_split=2, num_warps=8, num_stages=2), dict(BN=32, n_split=2, num_warps=4, num_stages=2),
-            dict(BN=64, n_split=2, num_warps=8, num_stages=2), dict(BN=16, n_split=1, num_warps=4, num_stages=3)],
-    "bwd": [dict(BN=32, n_split=2, num_warps=8, num_stages=1), dict(BN=16, n_split=1, num_warps=8, num_stages=1),
-            dict(BN=32, n_split=4, num_warps=4, num_stages=1), dict(BN=64, n_split=4, num_warps=8, num_stages=1),
-            dict(BN=16, n_split=2, num_warps=4, num_stages=2), dict(BN=32, n_split=4, num_warps=8, num_stages=2)],
+    "fwd": [dict(BN=64, n_split=1, num_warps=8, num_stages=2), dict(BN=32, n_split=1, num_warps=8, num_stages=2),
+            dict(BN=64, n_split=1, num_warps=8, num_stages=1), dict(BN=128, n_split=1, num_warps=8, num_stages=1),
+            dict(BN=64, n_split=2, num_warps=8, num_stages=2)],
+    # two-pass backward (triton_attention_bwd): pass-1 tile config, pass 2 keeps its own
+    "bwd": [dict(BN=64, NP=4, num_warps=4, num_stages=1), dict(BN=64, NP=2, num_warps=4, num_stages=1),
+            dict(BN=128, NP=4, num_warps=8, num_stages=1), dict(BN=32, NP=4, num_warps=4, num_stages=1)],
 }
 
 
 def sweep(T=32768, H=64, D=512, K=512, W=128):
     """Time core configs on a CSA-shaped problem (window range + K gathered entries); keep the best."""
     from v4launch.model.kernels import triton_attention as ta
+    from v4launch.model.kernels import triton_attention_bwd as tb
 
     C = T // 4
     q = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16)
@@ -326,12 +327,13 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
     for kind in ("fwd", "bwd"):
         best = None
         for cfg in SWEEP[kind]:
-            cfg = {"BH": 64, **cfg}  # the kernels read the head block too
-            ta.CONFIGS[kind]["lp"] = cfg
             try:
                 if kind == "fwd":
+                    cfg = {"BH": 64, **cfg}  # the kernel reads the head block too
+                    ta.CONFIGS["fwd"]["lp"] = cfg
                     fn = lambda: ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)  # noqa: E731
                 else:
+                    tb.CONFIGS["dkv"] = cfg
                     o, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
                     do = torch.randn_like(o)
                     fn = lambda: ta.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5)  # noqa: E731
@@ -345,7 +347,10 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
             out.append(dict(kind=kind, cfg=cfg, ms=ms, tflops=tf))
             if best is None or ms < best[0]:
                 best = (ms, cfg)
-        ta.CONFIGS[kind]["lp"] = best[1]
+        if kind == "fwd":
+            ta.CONFIGS["fwd"]["lp"] = best[1]
+        else:
+            tb.CONFIGS["dkv"] = best[1]
         print(f"sweep {kind} best {best[1]} {best[0]:.2f} ms", flush=True)
     del q, kv
     torch.cuda.empty_cache()
@@ -385,7 +390,9 @@ def main():
     if a.sweep:
         results["sweep"] = sweep()
     from v4launch.model.kernels import triton_attention as ta
+    from v4launch.model.kernels import triton_attention_bwd as tb
     env["configs"] = {k: v["lp"] for k, v in ta.CONFIGS.items()}
+    env["configs"].update({f"bwd_two_pass_{k}": v for k, v in tb.CONFIGS.items()})
     if not a.no_parity:
         results["parity"] += parity(a.parity_T, torch.bfloat16, layers=a.layers)
         if not a.no_fp32_parity:

@@ -27,7 +27,7 @@ LOG2E = 1.4426950408889634
 
 # Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
 CONFIGS = {
-    "fwd": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
+    "fwd": {"lp": dict(BN=64, n_split=1, BH=64, num_warps=8, num_stages=2),
             "fp32": dict(BN=16, n_split=2, BH=16, num_warps=4, num_stages=1)},
     "bwd": {"lp": dict(BN=32, n_split=4, BH=64, num_warps=4, num_stages=1),
             "fp32": dict(BN=16, n_split=4, BH=16, num_warps=4, num_stages=1)},
@@ -248,6 +248,18 @@ def attention_fwd(q, kv, idx, sink, scale, ranges=None):
 
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
+    """(dq, dkv float32, delta) of :func:`sparse_sink_attention`: the two-pass kernels
+    (``triton_attention_bwd``) where they apply (bf16/fp16, heads % 64 == 0), else the
+    single-pass kernel below (float32 parity runs, other head counts)."""
+    from . import triton_attention_bwd as two_pass
+
+    if two_pass.supported(q):
+        return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
+    return attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale)
+
+
+def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
+    """One program per (query, output slice): recomputes the scores per slice; any dtype."""
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
     cfg = CONFIGS["bwd"][_kind(q.dtype)]

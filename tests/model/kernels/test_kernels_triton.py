@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from v4launch.model.kernels import reference as ref  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
+from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
 
 DEV = "cuda"
@@ -64,6 +65,41 @@ def test_sparse_attention_matches_reference(dtype, tol, mode):
     r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd, sd))
     errs = [_rel(out, o2), _rel(lse, l2), _rel(dq, r[0]), _rel(dkv, r[1]), _rel(dsink, r[2])]
     assert max(errs) <= tol, errs
+
+
+@pytest.mark.parametrize("H,budget", [(64, None), (64, 50_000), (128, 50_000)])
+def test_two_pass_backward_matches_float64(H, budget):
+    """The two-pass backward (bf16) against float64 autograd of the reference: one chunk, many
+    chunks of queries (a budget of a few queries' dS), two head blocks; rows no query selects get
+    exactly zero dKV, and the single-pass kernel agrees."""
+    q, kv, sink, idx, ranges = _problem(H=H)
+    out, lse = ta.attention_fwd(q, kv, idx, sink, 512 ** -0.5, ranges)
+    g = torch.randn_like(out)
+    assert tb.supported(q)
+    if budget is not None:
+        assert tb.slot_count(ranges, idx.shape[1], tb.CONFIGS["dkv"]["BN"]) * H * 2 * 4 > budget  # > 4 chunks
+    _poison()
+    dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget)
+    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
+    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
+    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
+    assert _rel(dq, r[0]) <= 1e-2 and _rel(dkv, r[1]) <= 1e-2
+    assert _rel(delta, (g.double() * o2).sum(-1)) <= 1e-2
+    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEV)
+    touched[idx[idx >= 0].long()] = True
+    for a in (0, 2):
+        for lo, hi in ranges[:, a:a + 2].tolist():
+            touched[lo:hi] = True
+    assert float(dkv[~touched].abs().max()) == 0.0
+    dq1, dkv1, _ = ta.attention_bwd_single_pass(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
+    assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
+
+
+def test_two_pass_backward_refuses_float32():
+    q, kv, _, idx, ranges = _problem(T=8, dtype=torch.float32)
+    assert not tb.supported(q)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        tb.attention_bwd(q, kv, idx, ranges, q, torch.zeros(8, 64, device=DEV), q, 1.0)
 
 
 def test_teacher_matches_reference():

@@ -1,0 +1,228 @@
+"""Two-pass Triton backward of the sparse sink attention (SM90, bf16/fp16), in query chunks.
+
+Pass 1, ``_dkv_pass`` (one program = one query t, one warpgroup). The BN kv rows of a
+candidate tile are the M dimension of every product, so each one is a Hopper wgmma with
+M = BN = 64: the scores with N = H = 64 heads, the dKV part with N = D / NP and the
+register-resident P^T / dS^T as the A operand (no shared-memory round trip):
+
+    S^T  = K_tile Q^T,   dP^T = K_tile dO^T                        [BN, H]   (K = D, in NP parts)
+    P^T  = exp2(S^T * scale * log2e - lse * log2e)                  (lse saved by the forward)
+    dS^T = P^T * (dP^T - delta) * scale,   delta = rowsum(dO * O)   (FlashAttention-2 backward, sec. 3.1)
+    dKV_tile = P^T dO + dS^T Q                                      [BN, D]   (V = K: one row gets both)
+
+dKV goes to a float32 [N, D] buffer with ``red.global.add.v2.f32`` (rows are shared by many
+queries: window overlap, top-k reuse). dS (scale included, q's dtype) goes to a
+[Tc, H, NC] buffer, one column per candidate slot.
+
+Pass 2, ``_dq_pass`` (one program = one query, two warpgroups): dQ = dS K over the same
+tiles in the same order, reading dS back instead of recomputing the scores.
+
+Work: 10 * H * D FLOP per (query, candidate), nothing recomputed. The single-pass kernel
+(``triton_attention._sparse_bwd``) recomputes the scores per output slice (22 * H * D) and
+stays the float32 path: float32 q / dO parts do not fit shared memory here.
+Memory: the dS buffer holds Tc queries, Tc = budget_bytes / (H * NC * itemsize); nothing in T^2.
+Measured on the H200 in ``benchmarks/results/attention_h200.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import LOG2E, _prep
+
+# Tuned on the H200 (benchmarks/results/attention_bwd_two_pass_lab_h200.log); BN is shared by
+# both passes because it fixes the slot layout of the dS buffer.
+CONFIGS = {"dkv": dict(BN=64, NP=4, num_warps=4, num_stages=1), "dq": dict(num_warps=8, num_stages=2)}
+BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
+HEAD_BLOCK = 64
+
+
+def supported(q: torch.Tensor) -> bool:
+    """bf16 / fp16, heads a multiple of 64 (one head block of 64 is the N of the score products)
+    and D a multiple of 16 * NP."""
+    H, D = q.shape[1], q.shape[2]
+    return (q.dtype in (torch.bfloat16, torch.float16) and H % HEAD_BLOCK == 0
+            and D % (16 * CONFIGS["dkv"]["NP"]) == 0)
+
+
+@triton.jit
+def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr):
+    """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows (float32, relaxed, gpu scope), one
+    ``red.global.add.v2.f32`` (sm_90) per column pair. The address is formed inside the asm from
+    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built."""
+    R: tl.constexpr = vals.shape[0]
+    C: tl.constexpr = vals.shape[1]
+    v_even, v_odd = tl.split(tl.reshape(vals, [R, C // 2, 2]))
+    base = (OUT + rows.to(tl.int64) * D + col0).to(tl.int64, bitcast=True)
+    base = tl.broadcast_to(base[:, None], [R, C // 2])
+    col = tl.broadcast_to((tl.arange(0, C // 2) * 8)[None, :], [R, C // 2])
+    ok = tl.broadcast_to(valid.to(tl.int32)[:, None], [R, C // 2])
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred p;
+        .reg .u64 a;
+        setp.ne.b32 p, $2, 0;
+        cvt.u64.u32 a, $3;
+        add.u64 a, a, $1;
+        @p red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5};
+        mov.b32 $0, 0;
+        }""",
+        constraints="=r,l,r,r,r,r", args=[base, ok, col, v_even, v_odd], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _dkv_tile(qs, dos, KV, DKV, DS, rows, valid, slot, lse2, delta, qk_scale, sm_scale, t_loc, NC, offs_h, offs_c,
+              offs_n, H: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, USE_ASM: tl.constexpr):
+    BH: tl.constexpr = offs_h.shape[0]
+    P: tl.constexpr = D // NP
+    kp = KV + rows.to(tl.int64)[:, None] * D + offs_c[None, :]
+    st = tl.zeros([offs_n.shape[0], BH], tl.float32)
+    dpt = tl.zeros([offs_n.shape[0], BH], tl.float32)
+    for i in tl.static_range(NP):
+        k_i = tl.load(kp + i * P, mask=valid[:, None], other=0.0)
+        st = tl.dot(k_i, tl.trans(qs[i]), st)
+        dpt = tl.dot(k_i, tl.trans(dos[i]), dpt)
+    pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+    pt = tl.where(valid[:, None], pt, 0.0)
+    dsb = (pt * (dpt - delta[None, :]) * sm_scale).to(qs[0].dtype)
+    ptb = pt.to(qs[0].dtype)
+    tl.store(DS + (t_loc * H + offs_h[None, :]).to(tl.int64) * NC + (slot + offs_n)[:, None], dsb)
+    for i in tl.static_range(NP):
+        a = tl.dot(ptb, dos[i])
+        a = tl.dot(dsb, qs[i], a)
+        if USE_ASM:
+            _red_add_rows(DKV, rows, valid, a, i * P, D)
+        else:  # Triton's interpreter (CPU) runs no inline asm
+            tl.atomic_add(DKV + rows.to(tl.int64)[:, None] * D + i * P + offs_c[None, :], a, mask=valid[:, None],
+                          sem="relaxed")
+    return slot + offs_n.shape[0]
+
+
+@triton.jit
+def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, sq_h, qk_scale, sm_scale,
+              H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
+              HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, USE_ASM: tl.constexpr):
+    """Q, O, DO share strides (sq_t, sq_h, 1); program (i, j) handles query t0 + i, heads
+    j * BH ... j * BH + BH - 1. q and dO stay resident as NP column parts [BH, D / NP]; the dKV
+    accumulator is one part [BN, D / NP]."""
+    t_loc = tl.program_id(0)
+    t = t0 + t_loc.to(tl.int64)
+    P: tl.constexpr = D // NP
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_c = tl.arange(0, P)
+    offs_n = tl.arange(0, BN)
+    base = t * sq_t + offs_h[:, None] * sq_h + offs_c[None, :]
+    qs = ()
+    dos = ()
+    delta = tl.zeros([BH], tl.float32)
+    for i in tl.static_range(NP):
+        qs = qs + (tl.load(Q + base + i * P),)
+        do_i = tl.load(DO + base + i * P)
+        dos = dos + (do_i,)
+        delta += tl.sum(do_i.to(tl.float32) * tl.load(O + base + i * P).to(tl.float32), 1)
+    tl.store(DELTA + t * H + offs_h, delta)
+    lse2 = tl.load(LSE + t * H + offs_h) * 1.4426950408889634
+    slot = 0
+    if HAS_RNG:
+        for r in tl.static_range(2):
+            lo = tl.load(RNG + t * 4 + 2 * r)
+            hi = tl.load(RNG + t * 4 + 2 * r + 1)
+            for start in range(lo, hi, BN):
+                rows = start + offs_n
+                slot = _dkv_tile(qs, dos, KV, DKV, DS, rows, rows < hi, slot, lse2, delta, qk_scale, sm_scale, t_loc,
+                                 NC, offs_h, offs_c, offs_n, H, D, NP, USE_ASM)
+    if HAS_IDX:
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            slot = _dkv_tile(qs, dos, KV, DKV, DS, rows, rows >= 0, slot, lse2, delta, qk_scale, sm_scale, t_loc,
+                             NC, offs_h, offs_c, offs_n, H, D, NP, USE_ASM)
+
+
+@triton.jit
+def _dq_tile(KV, ds_base, rows, valid, slot, acc, offs_d, offs_n, D: tl.constexpr):
+    kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    ds = tl.load(ds_base + slot + offs_n[None, :])
+    return tl.dot(ds, kvt, acc)
+
+
+@triton.jit
+def _dq_pass(KV, IDX, RNG, DS, DQ, K_SEL, NC, t0, sq_t, sq_h,
+             H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_IDX: tl.constexpr,
+             HAS_RNG: tl.constexpr):
+    """dQ[t] = dS[t] K over the tiles and slots of ``_dkv_pass`` (dS already carries the scale);
+    program (i, j): query t0 + i, head block j."""
+    t_loc = tl.program_id(0)
+    t = t0 + t_loc.to(tl.int64)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    ds_base = DS + (t_loc * H + offs_h[:, None]).to(tl.int64) * NC
+    acc = tl.zeros([BH, D], tl.float32)
+    slot = 0
+    if HAS_RNG:
+        for r in tl.static_range(2):
+            lo = tl.load(RNG + t * 4 + 2 * r)
+            hi = tl.load(RNG + t * 4 + 2 * r + 1)
+            for start in range(lo, hi, BN):
+                rows = start + offs_n
+                acc = _dq_tile(KV, ds_base, rows, rows < hi, slot, acc, offs_d, offs_n, D)
+                slot += BN
+    if HAS_IDX:
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            acc = _dq_tile(KV, ds_base, rows, rows >= 0, slot, acc, offs_d, offs_n, D)
+            slot += BN
+    tl.store(DQ + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+
+
+def slot_count(ranges: torch.Tensor | None, n_idx: int, BN: int) -> int:
+    """Candidate slots per query in the dS buffer: the BN-padded tiles of both ranges (the
+    largest over queries) plus those of the ``n_idx`` index columns; at least BN."""
+    nc = 0
+    if ranges is not None and ranges.shape[0]:
+        lens = (ranges[:, 1::2].long() - ranges[:, 0::2].long()).clamp_min(0)
+        nc += int(((lens + BN - 1) // BN).sum(1).max()) * BN
+    nc += triton.cdiv(n_idx, BN) * BN
+    return max(nc, BN)
+
+
+def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int | None = None):
+    """Backward of :func:`triton_attention.sparse_sink_attention` for :func:`supported` q.
+
+    q, out, dout [T, H, D]; kv [N, D]; idx [T, K] int32 (-1 masked) or None; ranges [T, 4] or
+    None; lse [T, H] float32 from the forward. Returns (dq [T, H, D] q.dtype, dkv [N, D]
+    float32, delta [T, H] float32 = rowsum(dout * out)). ``budget_bytes`` (default
+    ``BUDGET_BYTES``) bounds the dS buffer; queries run in chunks that fit it.
+    Raises ValueError when :func:`supported` is false for q."""
+    if not supported(q):
+        raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 and D % 64 == 0, got "
+                         f"{q.dtype} {tuple(q.shape)}; use triton_attention.attention_bwd")
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    T, H, D = q.shape
+    c1, c2 = CONFIGS["dkv"], CONFIGS["dq"]
+    BN = c1["BN"]
+    dout = dout.to(q.dtype).contiguous()
+    out = out.contiguous()
+    lse = lse.contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return dq, dkv, delta
+    NC = slot_count(rng_t if has_rng else None, K, BN)
+    Tc = max(1, min(T, (budget_bytes or BUDGET_BYTES) // (H * NC * q.element_size())))
+    ds = torch.empty(Tc, H, NC, dtype=q.dtype, device=q.device)
+    for t0 in range(0, T, Tc):
+        n = min(Tc, T - t0)
+        grid = (n, H // HEAD_BLOCK)
+        _dkv_pass[grid](q, kv, idx_t, rng_t, out, dout, lse, delta, dkv, ds, K, NC, t0, q.stride(0), q.stride(1),
+                        scale * LOG2E, scale, H=H, D=D, BH=HEAD_BLOCK, BN=BN, NP=c1["NP"], HAS_IDX=has_idx,
+                        HAS_RNG=has_rng, USE_ASM=q.is_cuda,
+                        num_warps=c1["num_warps"], num_stages=c1["num_stages"])
+        _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK, BN=BN,
+                       HAS_IDX=has_idx, HAS_RNG=has_rng, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+    return dq, dkv, delta
