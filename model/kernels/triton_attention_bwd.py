@@ -32,9 +32,13 @@ import triton.language as tl
 
 from .triton_attention import LOG2E, _prep
 
-# Tuned on the H200 (benchmarks/results/attention_bwd_two_pass_lab_h200.log); BN is shared by
-# both passes because it fixes the slot layout of the dS buffer.
-CONFIGS = {"dkv": dict(BN=64, NP=4, num_warps=4, num_stages=1), "dq": dict(num_warps=8, num_stages=2)}
+# Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
+# tile BN fixes the slot layout of the dS buffer; pass 2 walks each BN tile in BNQ-row sub-tiles.
+CONFIGS = {"dkv": dict(BN=64, NP=2, num_warps=4, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=2)}
+# Pass-1 configs the sweep tries and the GPU tests check (each fits the 227 KB of shared memory
+# at H = 64, D = 512 in bf16).
+DKV_CANDIDATES = (dict(BN=64, NP=2, num_warps=4, num_stages=1), dict(BN=64, NP=4, num_warps=4, num_stages=1),
+                  dict(BN=128, NP=4, num_warps=8, num_stages=1), dict(BN=128, NP=2, num_warps=8, num_stages=1))
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 HEAD_BLOCK = 64
 
@@ -143,6 +147,7 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
 
 @triton.jit
 def _dq_tile(KV, ds_base, rows, valid, slot, acc, offs_d, offs_n, D: tl.constexpr):
+    """acc += dS[:, slot + offs_n] K[rows] for one BNQ-row sub-tile (rows beyond ``valid`` read 0)."""
     kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     ds = tl.load(ds_base + slot + offs_n[None, :])
     return tl.dot(ds, kvt, acc)
@@ -150,32 +155,33 @@ def _dq_tile(KV, ds_base, rows, valid, slot, acc, offs_d, offs_n, D: tl.constexp
 
 @triton.jit
 def _dq_pass(KV, IDX, RNG, DS, DQ, K_SEL, NC, t0, sq_t, sq_h,
-             H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_IDX: tl.constexpr,
-             HAS_RNG: tl.constexpr):
+             H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BNQ: tl.constexpr,
+             HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr):
     """dQ[t] = dS[t] K over the tiles and slots of ``_dkv_pass`` (dS already carries the scale);
     program (i, j): query t0 + i, head block j."""
     t_loc = tl.program_id(0)
     t = t0 + t_loc.to(tl.int64)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BN)
+    offs_n = tl.arange(0, BNQ)
     ds_base = DS + (t_loc * H + offs_h[:, None]).to(tl.int64) * NC
     acc = tl.zeros([BH, D], tl.float32)
+    # Pass 1 gives range row lo + j the slot base + j and index column j the slot base + j,
+    # each range padded to whole BN tiles, so any BNQ-row walk finds its slots.
     slot = 0
     if HAS_RNG:
         for r in tl.static_range(2):
             lo = tl.load(RNG + t * 4 + 2 * r)
             hi = tl.load(RNG + t * 4 + 2 * r + 1)
-            for start in range(lo, hi, BN):
+            for start in range(lo, hi, BNQ):
                 rows = start + offs_n
-                acc = _dq_tile(KV, ds_base, rows, rows < hi, slot, acc, offs_d, offs_n, D)
-                slot += BN
+                acc = _dq_tile(KV, ds_base, rows, rows < hi, slot + (start - lo), acc, offs_d, offs_n, D)
+            slot += tl.cdiv(tl.maximum(hi - lo, 0), BN) * BN
     if HAS_IDX:
-        for start in range(0, K_SEL, BN):
+        for start in range(0, K_SEL, BNQ):
             sel = start + offs_n
             rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-            acc = _dq_tile(KV, ds_base, rows, rows >= 0, slot, acc, offs_d, offs_n, D)
-            slot += BN
+            acc = _dq_tile(KV, ds_base, rows, rows >= 0, slot + start, acc, offs_d, offs_n, D)
     tl.store(DQ + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], acc.to(DQ.dtype.element_ty))
 
 
@@ -224,5 +230,5 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
                         HAS_RNG=has_rng, USE_ASM=q.is_cuda,
                         num_warps=c1["num_warps"], num_stages=c1["num_stages"])
         _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK, BN=BN,
-                       HAS_IDX=has_idx, HAS_RNG=has_rng, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+                       BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     return dq, dkv, delta
