@@ -304,6 +304,7 @@ SWEEP = {
             dict(BN=64, n_split=2, num_warps=8, num_stages=2)],
     # two-pass backward (triton_attention_bwd): pass-1 tile config, pass 2 keeps its own
     "bwd": None,  # triton_attention_bwd.DKV_CANDIDATES (the GPU tests check each)
+    "bwd_dq": None,  # triton_attention_bwd.DQ_CANDIDATES
 }
 
 
@@ -323,22 +324,22 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
     ranges = torch.stack(((t - W + 1).clamp_min(0), t + 1, t * 0, t * 0), 1).int()
     n = int((ranges[:, 1] - ranges[:, 0]).sum() + (idx >= 0).sum())
     out = []
-    for kind in ("fwd", "bwd"):
+    for kind in ("fwd", "bwd", "bwd_dq"):
         best = None
-        for cfg in SWEEP[kind] or tb.DKV_CANDIDATES:
+        for cfg in SWEEP[kind] or (tb.DKV_CANDIDATES if kind == "bwd" else tb.DQ_CANDIDATES):
             try:
                 if kind == "fwd":
                     cfg = {"BH": 64, **cfg}  # the kernel reads the head block too
                     ta.CONFIGS["fwd"]["lp"] = cfg
                     fn = lambda: ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)  # noqa: E731
                 else:
-                    tb.CONFIGS["dkv"] = cfg
+                    tb.CONFIGS["dkv" if kind == "bwd" else "dq"] = cfg
                     o, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
                     do = torch.randn_like(o)
                     fn = lambda: ta.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5)  # noqa: E731
                 fn()
                 ms = cuda_time(fn, 3)
-                tf = (4 if kind == "fwd" else 10) * H * D * n / ms / 1e9
+                tf = (4 if kind == "fwd" else 10) * H * D * n / ms / 1e9  # bwd_dq: whole backward
             except Exception as e:  # noqa: BLE001 - a config that does not compile / fit
                 ms, tf = float("inf"), 0.0
                 print("sweep", kind, cfg, "failed:", str(e).splitlines()[0][:120], flush=True)
@@ -349,7 +350,7 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
         if kind == "fwd":
             ta.CONFIGS["fwd"]["lp"] = best[1]
         else:
-            tb.CONFIGS["dkv"] = best[1]
+            tb.CONFIGS["dkv" if kind == "bwd" else "dq"] = best[1]
         print(f"sweep {kind} best {best[1]} {best[0]:.2f} ms", flush=True)
     del q, kv
     torch.cuda.empty_cache()
@@ -372,6 +373,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time core kernel configs first and keep the best")
+    ap.add_argument("--sweep-only", action="store_true", help="run the sweep, print it and stop")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--no-fp32-parity", action="store_true")
     a = ap.parse_args()
@@ -386,8 +388,11 @@ def main():
     env["copy_gbs"] = copy_bw()
     print(json.dumps(env), flush=True)
     results = dict(env=env, parity=[], rows=[], sweep=[])
-    if a.sweep:
+    if a.sweep or a.sweep_only:
         results["sweep"] = sweep()
+        if a.sweep_only:
+            Path(a.out, "attention_sweep.json").write_text(json.dumps(results, indent=1, default=str))
+            return
     from v4launch.model.kernels import triton_attention as ta
     from v4launch.model.kernels import triton_attention_bwd as tb
     env["configs"] = {k: v["lp"] for k, v in ta.CONFIGS.items()}

@@ -34,11 +34,13 @@ from .triton_attention import LOG2E, _prep
 
 # Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
 # tile BN fixes the slot layout of the dS buffer; pass 2 walks each BN tile in BNQ-row sub-tiles.
-CONFIGS = {"dkv": dict(BN=64, NP=2, num_warps=4, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=2)}
+CONFIGS = {"dkv": dict(BN=128, NP=2, num_warps=8, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=2)}
 # Pass-1 configs the sweep tries and the GPU tests check (each fits the 227 KB of shared memory
 # at H = 64, D = 512 in bf16).
 DKV_CANDIDATES = (dict(BN=64, NP=2, num_warps=4, num_stages=1), dict(BN=64, NP=4, num_warps=4, num_stages=1),
                   dict(BN=128, NP=4, num_warps=8, num_stages=1), dict(BN=128, NP=2, num_warps=8, num_stages=1))
+DQ_CANDIDATES = (dict(BNQ=64, num_warps=8, num_stages=2), dict(BNQ=32, num_warps=8, num_stages=2),
+                 dict(BNQ=32, num_warps=8, num_stages=3), dict(BNQ=128, num_warps=8, num_stages=1))
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 HEAD_BLOCK = 64
 

@@ -97,6 +97,20 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
     assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
 
 
+@pytest.mark.parametrize("cfg", tb.DQ_CANDIDATES, ids=lambda c: "BNQ{BNQ}-s{num_stages}".format(**c))
+def test_two_pass_dq_configs_match_float64(cfg, monkeypatch):
+    """Every pass-2 config the sweep may pick walks pass 1's slots correctly (BNQ below, equal
+    to and above pass 1's BN where it fits)."""
+    monkeypatch.setitem(tb.CONFIGS, "dq", cfg)
+    q, kv, sink, idx, ranges = _problem()
+    out, lse = ta.attention_fwd(q, kv, idx, sink, 512 ** -0.5, ranges)
+    g = torch.randn_like(out)
+    dq, _, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=50_000)
+    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
+    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
+    assert _rel(dq, torch.autograd.grad((o2 * g.double()).sum(), qd)[0]) <= 1e-2
+
+
 def test_two_pass_backward_refuses_float32():
     q, kv, _, idx, ranges = _problem(T=8, dtype=torch.float32)
     assert not tb.supported(q)
