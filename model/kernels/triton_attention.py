@@ -6,10 +6,12 @@ scores are an [H x BN] matrix product (heads are the M dimension). The softmax r
 online in base 2 with the sink as the initial running maximum (``m = sink``, ``l = 1``),
 so a query with no valid candidate is well defined (out = 0, lse = sink).
 
-Backward: per query, recompute p from the saved lse, ``dS = p * (dP - delta)``;
-dQ accumulates in registers, dKV tiles [BN, D] go to a float32 buffer with relaxed
-``red.global.add.v2.f32`` reductions on column pairs (rows are shared across queries;
-V = K so both terms land in one row).
+Backward: bf16/fp16 with heads % 64 == 0 run the two-pass kernels of
+``triton_attention_bwd`` (dKV with kv rows as the M dimension, then dQ from the stored dS).
+The single-pass kernel here serves float32 and other head counts: per query, recompute p
+from the saved lse, ``dS = p * (dP - delta)``; dQ accumulates in registers, dKV tiles
+[BN, D] go to a float32 buffer with relaxed ``red.global.add.v2.f32`` reductions on column
+pairs (rows are shared across queries; V = K so both terms land in one row).
 dsink = -sum_t exp(sink - lse) * delta (one tiny torch reduction).
 
 Memory: O(T * H * D) for q/out/dq, O(N * D) float32 for dkv; nothing in T^2.
