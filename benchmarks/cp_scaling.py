@@ -15,7 +15,7 @@ What it does, per rank (CP group = the whole world, the runtime of docs/context_
   (broadcast from rank 0), and runs it on the rank's contiguous slice of ONE packed segment
   of T tokens through ``ContextParallelGroup`` / ``cp.shard`` / ``BatchContext(..., cp, shard)``
   -- the path of ``tests/model/cp/cp_harness.py`` and of the training job (reference
-  attention: the job refuses CP with the fused kernel backends);
+  attention, or the fused kernels with ``--kernels triton``);
 * times forward and backward (CUDA events; warm-up steps, then the median of repeats),
   reports tokens/s/GPU = (T / cp) / (slowest rank's fwd+bwd), peak memory per rank
   (``torch.cuda.max_memory_allocated`` over the timed steps, parameters and inputs included);
@@ -184,8 +184,19 @@ def build_layer(name: str, args: ModelArgs, dtype, env: Env, seed: int = 0) -> A
     return attn
 
 
+KERNELS = {"name": "reference"}  # --kernels: the attention kernels of the CP = world runs
+
+
 def make_ctx(args, name, shard, cp, chunk):
-    return BatchContext(shard.pack, args.window_size, LAYERS[name][2], chunk, cp, shard)
+    """The CP = world batch context; with ``--kernels triton`` it carries the fused backend, so the
+    layer runs ``kernels.layer.attention_forward`` (the CP = 1 parity side stays the reference path)."""
+    kernels = None
+    if KERNELS["name"] != "reference":
+        from v4launch.model.kernels.dispatch import select_backend
+
+        backend = select_backend(KERNELS["name"], shard.pack.pos.device)
+        kernels = None if backend.name == "reference" else backend
+    return BatchContext(shard.pack, args.window_size, LAYERS[name][2], chunk, cp, shard, kernels=kernels)
 
 
 def backward(out, kl, g):
@@ -552,7 +563,8 @@ def run_bench(a) -> None:
                 device=torch.cuda.get_device_name() if env.cuda else platform.processor() or "cpu",
                 cuda=torch.version.cuda if env.cuda else None,
                 nccl=_nccl_version() if env.cuda else None,
-                dims="tiny" if a.tiny else "V4-Flash", dtype=a.dtype, chunk=a.chunk, warmup=a.warmup,
+                dims="tiny" if a.tiny else "V4-Flash", dtype=a.dtype, chunk=a.chunk, kernels=a.kernels,
+                warmup=a.warmup,
                 repeats=a.repeats, args=dict(dim=args.dim, n_heads=args.n_heads, head_dim=args.head_dim,
                                              rope_head_dim=args.rope_head_dim, window=args.window_size,
                                              index=f"{args.index_n_heads}x{args.index_head_dim} top-{args.index_topk}",
@@ -794,6 +806,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", help="process group backend; auto = cpu:gloo,cuda:nccl on GPUs")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--chunk", type=int, default=256, help="query rows per chunk of the reference attention")
+    ap.add_argument("--kernels", default="reference", choices=["reference", "triton"],
+                    help="attention kernels of the CP = world runs (parity compares them with the CP = 1 reference)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-budget", type=float, default=0.0,
@@ -814,6 +828,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.compare:
         return compare_runs(a.compare)
+    KERNELS["name"] = a.kernels
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ:  # plain `python cp_scaling.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",

@@ -14,6 +14,9 @@
 * warm-up KL (teacher over ALL visible entries) is quadratic by definition: it runs the
   reference math in query chunks with the student checkpointed per chunk.
 
+Context parallelism: the same code on a rank's rows, with the left-boundary rows as extra keys and
+the CP-gathered compressed entries (see ``attention_forward``); the kernels need no change.
+
 Memory is O(T * (H * D + k)) apart from the warm-up teacher's per-chunk block.
 """
 
@@ -120,42 +123,54 @@ def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tens
 
 
 def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Same contract as ``Attention.forward(x, ctx)``: x [T, dim] -> (out [T, dim], KL 0-d or None)."""
+    """Same contract as ``Attention.forward(x, ctx)``: x [T, dim] (this rank's rows) -> (out [T, dim],
+    KL 0-d or None), on one device or under context parallelism.
+
+    Under CP the keys are the extended rows (``ctx.cp.extend``: B left-boundary rows, then the local
+    rows) and the compressed entries the CP-gathered ``EntryMemory``, read in logical order; the
+    query at local row t is extended row B + t, so its window range is [max(e - pos_e, e - W + 1), e]
+    with e = B + t in ``kv``'s rows. The KL is summed and counted over CP ranks like the reference
+    path (seed 000 §5; ``Attention.forward``).
+    """
     T, H, D = x.shape[0], attn.n_heads, attn.head_dim
-    pack = ctx.pack
+    ext, B = ctx.ext, ctx.shard.left
     cos, sin = ctx.cos_sin(attn.rope, x.dtype)
+    xe = ctx.cp.extend(x, ctx.shard)  # [B + T, dim]
+    cos_e, sin_e = ctx.cos_sin(attn.rope, x.dtype, extended=True)
     qr = attn.q_norm(linear(x, attn.wq_a))
     q = rms_unweighted(linear(qr, attn.wq_b).unflatten(-1, (H, D)), attn.eps)
     q = apply_rope(q, cos, sin)
-    kv = apply_rope(attn.kv_norm(linear(x, attn.wkv)), cos, sin)
-    shard = getattr(ctx, "shard", None)
-    if getattr(shard, "left", 0) or (hasattr(ctx.cp, "window_kv") and ctx.cp.window_kv(kv) is not kv):
-        raise NotImplementedError("kernel-path attention runs on one device only (no context-parallel "
-                                  "boundary rows yet). Fix: use kernel_backend='reference' with cp > 1.")
-    t = torch.arange(T, device=x.device)
-    a_lo = torch.maximum(t - pack.pos, t - attn.window_size + 1)
-    b_lo = b_hi = torch.zeros_like(t)
+    kv = apply_rope(attn.kv_norm(linear(xe, attn.wkv)), cos_e, sin_e)  # [B + T, D]
+    e = B + torch.arange(T, device=x.device)  # each query's extended row
+    a_lo = torch.maximum(e - ext.pos[e], e - attn.window_size + 1)
+    b_lo = b_hi = torch.zeros_like(e)
     comp = inp = idx = sel = None
+    mems = []
     if attn.ratio:
         plan = ctx.plan(attn.ratio)
-        if plan.n_entries and plan.max_entries:
-            comp = attn.compressor(x, plan, attn.rope)
-            first, nvis = plan.seg_offset[pack.seg], plan.n_visible
+        if plan.n_entries and plan.max_entries:  # global counts: the same branch on every CP rank
+            parts = [attn.compressor(xe, plan, attn.rope)]
             if attn.has_indexer:
-                inp = attn.indexer.prepare(x, qr, pack.pos, plan, attn.rope)
+                inp = attn.indexer.prepare(x, qr, ctx.pack.pos, plan, attn.rope, x_comp=xe)
+                parts.append(inp.keys)
+            mems = ctx.cp.gather(parts, plan, ctx.shard, f"layer_{attn.layer_id:02d}")
+            comp = mems[0].rows(0, plan.n_entries)  # [C, D], logical order
+            first, nvis = plan.seg_offset[ext.seg[e]], plan.n_visible[e]
+            if inp is not None:
+                inp.keys = mems[1].rows(0, plan.n_entries)  # [C, dI], logical order
                 sel = backend.indexer_topk(inp.q, inp.w, inp.keys, first, nvis, attn.topk, plan.max_entries)
                 idx = torch.where(sel >= 0, sel + kv.shape[0], -1).to(torch.int32)
             else:
                 b_lo = kv.shape[0] + first
                 b_hi = b_lo + nvis
     kv_all = kv if comp is None else torch.cat((kv, comp.to(kv.dtype)))
-    ranges = torch.stack((a_lo, t + 1, b_lo, b_hi), 1).to(torch.int32)
+    ranges = torch.stack((a_lo, e + 1, b_lo, b_hi), 1).to(torch.int32)
     o, _lse = backend.sparse_sink_attention(q, kv_all, idx, attn.attn_sink, attn.softmax_scale, ranges)
     o = apply_rope(o.to(x.dtype), cos, sin, inverse=True)
     o = o.view(T, attn.n_groups, H * D // attn.n_groups)
     wo_a = attn.wo_a.weight.view(attn.n_groups, attn.o_lora_rank, -1)
     o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)
-    out = linear(o, attn.wo_b)
+    out = ctx.cp.tie(linear(o, attn.wo_b), mems)
     if not attn.has_indexer:
         return out, None
     kl_sum, kl_rows = None, 0
@@ -167,7 +182,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
             kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
         else:
             kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)
-    if kl_sum is None or kl_rows == 0:
-        if kl_sum is None:
-            kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
-    return out, kl_sum / max(kl_rows, 1)
+    if kl_sum is None:  # no compressed entry for these queries: an explicit zero
+        kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
+    kl_sum = ctx.cp.tie(kl_sum, mems)
+    return out, ctx.cp.sum_partial(kl_sum) / max(ctx.cp.sum_int(kl_rows), 1)

@@ -8,6 +8,7 @@ its traffic records. A uniquely named module so no other conftest shadows it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from v4_helpers import build, packed_batch, randomize, tiny_args  # noqa: E402
 
+from v4launch.model import model as model_module  # noqa: E402
 from v4launch.model.attention import Attention, BatchContext  # noqa: E402
+from v4launch.model.kernels import dispatch  # noqa: E402
 from v4launch.model.packing import make_pack  # noqa: E402
 from v4launch.model.parallel import ContextParallelGroup, shard_thd_batch  # noqa: E402
 
@@ -52,6 +55,12 @@ def _entry(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
         json.dump(results, f)
 
 
+def stand_in_fused_backend() -> dispatch.Backend:
+    """The reference kernel functions under a fused backend's name: a model or layer given it runs
+    the kernel-path layer code (``kernels.layer.attention_forward``) on the CPU, in float64."""
+    return dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton")
+
+
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max |a - b| relative to max(1, max |b|)."""
     return (a.detach() - b.detach()).abs().max().item() / max(1.0, b.detach().abs().max().item()) if b.numel() else 0.0
@@ -74,7 +83,8 @@ def _reduced_grad_err(cp: ContextParallelGroup, module: torch.nn.Module, ref: di
 def layer_case(case: dict) -> dict:
     """One attention layer (ratio case["ratio"], phase case["phase"]) at CP = world vs CP = 1."""
     dtype, ratio, phase = DTYPES[case.get("dtype", "float64")], case["ratio"], case["phase"]
-    args = tiny_args(n_layers=1, n_mtp_layers=0, compress_ratios=(ratio,), **case.get("args", {}))
+    ratios = tuple(case.get("ratios", (ratio,)))
+    args = tiny_args(n_layers=len(ratios), n_mtp_layers=0, compress_ratios=ratios, **case.get("args", {}))
     gen = torch.Generator().manual_seed(case["seed"])
     attn = Attention(0, args, with_indexer=phase != "dense").to(dtype)
     randomize(attn, gen)
@@ -99,7 +109,8 @@ def layer_case(case: dict) -> dict:
     rows = slice(local.start, local.start + T // cp.size)
     shard = cp.shard(local.tokens, local.cu_seqlens, max_len, args.window_size, args.compress_ratios)
     xl = x[rows].clone().requires_grad_()
-    ctx = BatchContext(shard.pack, args.window_size, kl_target, chunk, cp, shard)
+    kernels = stand_in_fused_backend() if case.get("kernels") else None  # CP run on the kernel-path layer code
+    ctx = BatchContext(shard.pack, args.window_size, kl_target, chunk, cp, shard, kernels=kernels)
     out_c, kl_c = attn(xl, ctx)
     loss_of(out_c, kl_c, rows).backward()
     grad_err, grad_name = _reduced_grad_err(cp, attn, ref_grads)
@@ -113,7 +124,7 @@ def layer_case(case: dict) -> dict:
         ref_kl = {n: (p.grad.clone() if p.grad is not None else None) for n, p in attn.named_parameters()}
         attn.zero_grad(set_to_none=True)
         attn(x[rows].clone().requires_grad_(), BatchContext(shard.pack, args.window_size, kl_target, chunk, cp,
-                                                             shard))[1].backward()
+                                                             shard, kernels=kernels))[1].backward()
         kl_only = _reduced_grad_err(cp, attn, ref_kl)[0]
     return dict(
         out=_err(out_c, out_r[rows]), x_grad=_err(xl.grad, xr.grad[rows]), param_grad=grad_err, worst=grad_name,
@@ -142,6 +153,9 @@ def model_case(case: dict) -> dict:
 
     cp = ContextParallelGroup()
     model.cp = cp
+    if case.get("kernels"):  # the CP run on the kernel-path layer code
+        model_module.select_backend = lambda name, device: stand_in_fused_backend()
+        model.set_kernel_backend("triton")
     local = shard_thd_batch(tokens, labels, cu, cp.rank, cp.size)
     out = model(local.tokens, local.cu_seqlens, max_len, local.labels, return_logits=True)
     total(out).backward()

@@ -34,6 +34,8 @@ def _cases(cp: int) -> list[dict]:
              dict(ratio=4, phase="sparse", lengths=RAGGED, seed=9, dtype="float32"),
              dict(ratio=4, phase="warmup", lengths=[96], seed=10),  # one segment: byte counts
              dict(ratio=128, phase="dense", lengths=[512], seed=11)]
+    # the kernel-path layer code (kernels.layer.attention_forward) at CP = world against the CP = 1 reference
+    layer += [dict(c, seed=c["seed"] + 40, kernels=True) for c in layer[:6]]
     return [dict(c, kind="layer") for c in layer] + [dict(kind="errors", local=4, width_window=8)]
 
 
@@ -48,7 +50,10 @@ def _results(cp: int, tmp_path_factory) -> list[list[dict]]:
 
 
 def _id(c: dict) -> str:
-    return f"r{c['ratio']}-{c['phase']}-T{sum(c['lengths'])}-{c.get('dtype', 'float64')}" if c["kind"] == "layer" else "errors"
+    if c["kind"] != "layer":
+        return "errors"
+    return (f"r{c['ratio']}-{c['phase']}-T{sum(c['lengths'])}-{c.get('dtype', 'float64')}"
+            + ("-kernel-path" if c.get("kernels") else ""))
 
 
 CP_SIZES = [2, 4]
@@ -97,9 +102,10 @@ def test_allgather_bytes_match_the_validator(cp, tmp_path_factory):
     ``csa_allgather_bytes`` / ``hca_allgather_bytes`` (float64 here: 8 bytes per element)."""
     res = _results(cp, tmp_path_factory)
     cases = _cases(cp)
+    by_seed = {c.get("seed"): i for i, c in enumerate(cases)}
     for i, (ratio, width, logical) in {
-        len(cases) - 3: (4, HEAD + INDEX, csa_allgather_bytes(96, kv_dim=HEAD, index_dim=INDEX, elem_bytes=8)),
-        len(cases) - 2: (128, HEAD, hca_allgather_bytes(512, kv_dim=HEAD, elem_bytes=8)),
+        by_seed[10]: (4, HEAD + INDEX, csa_allgather_bytes(96, kv_dim=HEAD, index_dim=INDEX, elem_bytes=8)),
+        by_seed[11]: (128, HEAD, hca_allgather_bytes(512, kv_dim=HEAD, elem_bytes=8)),
     }.items():
         T = sum(cases[i]["lengths"])
         padded = padded_allgather_bytes(T, cp, ratio, width, elem_bytes=8)

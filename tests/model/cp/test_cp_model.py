@@ -22,13 +22,23 @@ def _results(tmp_path_factory):
         cases = [dict(kind="model", phase=p, lengths=LENGTHS, seed=20 + i, control=p == "sparse")
                  for i, p in enumerate(PHASES)]
         cases.append(dict(kind="model", phase="sparse", lengths=LENGTHS, seed=30, dtype="float32"))
+        # Seeds with no tie at the k-th indexer score (ReLU makes exact zeros): the kernel-path top-k and
+        # the reference select_topk may break such a tie differently, both correctly (seed 41 has one).
+        cases += [dict(kind="model", phase=p, lengths=LENGTHS, seed=s, kernels=True)
+                  for p, s in zip(PHASES, (40, 44, 42))]
         _RESULTS["r"] = spawn(2, cases, tmp_path_factory.mktemp("model"))
     return _RESULTS["r"]
 
 
 @pytest.mark.parametrize("i,phase,dtype,tol", [(0, "dense", "float64", 1e-10), (1, "warmup", "float64", 1e-10),
-                                               (2, "sparse", "float64", 1e-10), (3, "sparse", "float32", 1e-5)])
+                                               (2, "sparse", "float64", 1e-10), (3, "sparse", "float32", 1e-5),
+                                               (4, "dense", "float64", 1e-10), (5, "warmup", "float64", 1e-10),
+                                               (6, "sparse", "float64", 1e-10)],
+                         ids=["dense", "warmup", "sparse", "sparse-fp32", "dense-kernel-path", "warmup-kernel-path",
+                              "sparse-kernel-path"])
 def test_whole_model_matches_cp1(i, phase, dtype, tol, tmp_path_factory):
+    """Cases 4-6: the CP = 2 run goes through the kernel-path layer code (a stand-in fused backend
+    made of the reference kernel functions); CP = 1 stays the reference path."""
     for rank, res in enumerate(_results(tmp_path_factory)):
         r = res[i]
         assert r["loss_names"] == r["ref_names"], rank
