@@ -40,8 +40,12 @@ def test_warning_only_exits_0(in_tmp: Path):
 
 def test_json_report(in_tmp: Path):
     code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8", "--json"])
-    data = json.loads(out)  # the 64K stages now run CP with the fused kernels: refused
-    assert code == 1 and {v["rule_id"] for v in data["violations"]} == {"V4-KERNEL-CP"}
+    data = json.loads(out)  # the 64K stages now run CP with the fused kernels: accepted (they have a CP path)
+    assert code == 0 and data["violations"] == []
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8", "parallel.cp_partition=zigzag",
+                              "--json"])
+    data = json.loads(out)
+    assert code == 1 and {v["rule_id"] for v in data["violations"]} == {"V4-CP-CONTIGUOUS"}
     code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=8",
                               "attention.kernel_backend=reference", "--json"])
     data = json.loads(out)

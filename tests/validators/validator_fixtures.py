@@ -50,7 +50,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-SM90-DENSE-LOSS": (["curriculum.stages.1.kernel_backend=null"],
                            ["curriculum.stages.1.kernel_backend=null", "curriculum.stages.1.indexer_loss=sparse"]),
     "V4-KERNEL-AVAILABLE": (["attention.kernel_backend=cudnn"], []),
-    "V4-KERNEL-CP": (["curriculum.stages.3.kernel_backend=triton"], []),
     "V4-CP-THD": (["parallel.qkv_format=bshd"], []),
     "V4-CP-CONTIGUOUS": (["parallel.cp_partition=zigzag"], []),
     "V4-CP-SM": (["cluster.gpu=RTX5090"], ["cluster.gpu=B200"]),

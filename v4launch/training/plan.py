@@ -59,17 +59,12 @@ class StagePlan:
         return self.global_batch * self.seq_len
 
 
-CP_BACKENDS = ("reference",)
-"""Attention kernel backends the context-parallel path runs with (the fused kernels have no boundary rows)."""
-
-
 def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
     """Resolve every stage of ``recipe`` for a run of ``world`` ranks (tp = pp = 1, dp = world / cp per stage).
 
     Raises:
         ContractViolation: a tp/pp > 1 recipe; a stage whose cp does not divide the world, whose
-            packed sequence does not split into cp slices of at least the boundary width, or that
-            asks for CP with a fused kernel backend (triton / cudnn); a global batch not divisible
+            packed sequence does not split into cp slices of at least the boundary width; a global batch not divisible
             by micro_batch · dp; a stage whose indexer_loss override the bundled model cannot follow.
     """
     if recipe.parallel.tp != 1 or recipe.parallel.pp != 1:
@@ -112,12 +107,6 @@ def _check_cp(recipe: Any, i: int, st: Any, cp: int, world: int) -> None:
             hint=f"choose a cp that divides {world} (curriculum.stages.{i}.cp), or change cluster.gpus_per_node")
     if cp == 1:
         return
-    backend = st.kernel_backend or recipe.attention.kernel_backend
-    if backend not in CP_BACKENDS:
-        raise ContractViolation(
-            f"{where}: cp={cp} with attention kernel_backend={backend!r} — the fused {backend} kernels have no "
-            "context-parallel path yet (no left-boundary rows); CP runs on the reference kernels",
-            hint=f"set curriculum.stages.{i}.kernel_backend=reference for this stage, or run it with cp=1")
     from ..validators.derived import boundary_width
 
     rows = st.seq_len * recipe.parallel.micro_batch_size

@@ -129,18 +129,3 @@ def check_kernel_available(ctx: Context):
                            "kernel_backend 'cudnn' (FlashMLA + cuDNN DSA) is not available in the bundled model: "
                            "the job would stop at its first forward")
     return ctx.ok(ctx.backend_field, ctx.backend)
-
-
-@rule("V4-KERNEL-CP", fields=("curriculum.stages.*.cp", "attention.kernel_backend", "curriculum.stages.*.kernel_backend"),
-      fix="set this stage's kernel_backend=reference (the CP runtime runs the reference attention), or cp=1")
-def check_kernel_cp(ctx: Context):
-    """Context-parallel stages run the reference attention: the fused kernels have no CP boundary-row path.
-
-    Source: docs/context_parallel.md "Limits" and docs/kernels.md (kernels.layer.attention_forward refuses
-    boundary rows); the job refuses the same combination (v4launch/training/plan.py).
-    """
-    if ctx.cp <= 1:
-        return ctx.na("CP = 1")
-    if ctx.backend in FUSED_BACKENDS:
-        return ctx.finding(ctx.backend_field, ctx.backend, f"cp={ctx.cp} with fused '{ctx.backend}' kernels")
-    return ctx.ok(ctx.backend_field, ctx.backend, f"cp={ctx.cp}")
