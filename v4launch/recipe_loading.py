@@ -141,7 +141,9 @@ class SourceMap:
         """Source of ``dotted`` (``a.b[2].c`` or ``a.b.2.c``).
 
         A field absent from the nearest mapping that was set is a default; a field inside a list
-        (or scalar) set as a whole comes from where that list was set.
+        (or scalar) set as a whole comes from where that list was set. A key that nothing set itself
+        but that has set descendants (an unknown top-level key from ``foo.bar=1``) comes from where
+        its first descendant was set.
         """
         key = re.sub(r"\[(\d+)\]", r".\1", dotted).strip(".")
         parts = key.split(".")
@@ -149,7 +151,8 @@ class SourceMap:
             found = self._src.get(".".join(parts[:n]))
             if found:
                 return found[0] if n == len(parts) or found[1] != "map" else "default"
-        return "default"
+        below = next((src for k, src in self._src.items() if k.startswith(key + ".")), None)
+        return below[0] if below else "default"
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,8 @@ def test_bad_override(tmp_path: Path, override: str, needle: str):
 def test_override_of_unknown_key_is_reported_as_override(tmp_path: Path):
     err = _error(write_recipe(tmp_path, base()), ["parallel.cpp=8"])
     assert err.message == "override parallel.cpp=8: unknown key 'parallel.cpp' (did you mean 'parallel.cp'?)"
+    err = _error(write_recipe(tmp_path, base()), ["foo.bar=1"])  # an unknown top-level mapping: the override too
+    assert err.message == "override foo.bar=1: unknown key 'foo'"
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,26 @@ def check_kernel_sm(ctx: Context):
     return ctx.ok(ctx.backend_field, backend, f"SM{ctx.sm}")
 
 
+@rule("V4-KERNEL-TRITON-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
+      severity="warning",
+      fix="set kernel_backend=reference for this GPU (what the job runs there anyway), or target H100/H200 (SM90)")
+def check_triton_sm90_only(ctx: Context):
+    """The triton backend runs its kernels on SM90 only; on a newer GPU the job runs the reference attention.
+
+    Source: model/kernels/dispatch.py (``_triton_problem``: compute capability must be 9.0; the kernels
+    use Hopper wgmma tiles and are tuned and tested on H100/H200); docs/kernels.md.
+    """
+    if ctx.backend != "triton":
+        return ctx.na(f"kernel_backend={ctx.backend}")
+    if ctx.sm is None or ctx.sm < 90:
+        return ctx.na("a target V4-KERNEL-SM90 already refuses")
+    if ctx.sm == 90:
+        return ctx.ok(ctx.backend_field, "triton", "SM90")
+    return ctx.finding(ctx.backend_field, "triton",
+                       f"kernel_backend 'triton' on cluster.gpu={ctx.recipe.cluster.gpu} (SM{ctx.sm}): the Triton kernels "
+                       "run on SM90 only, so this stage would run the reference attention")
+
+
 @rule("V4-SM90-DENSE-LOSS", fields=("cluster.gpu", "attention.kernel_backend", "curriculum.stages.*.phase",
                                     "curriculum.stages.*.indexer_loss", "attention.indexer_loss_coeff"),
       fix="use the sparse indexer loss for this stage, or kernel_backend=reference for it")
