@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from validate_helpers import RECIPES, invoke, write_recipe
@@ -109,6 +111,11 @@ def test_explain(in_tmp: Path):
 def test_help_has_examples():
     code, out, _, _ = invoke(["validate", "--help"])
     assert code == 0 and "validate recipes/flash_4n.yaml" in out and "Exit 0" in " ".join(out.split())
+
+
+def test_python_dash_m_runs_the_same_cli(in_tmp: Path):
+    run = subprocess.run([sys.executable, "-m", "v4launch", "--version"], capture_output=True, text=True, cwd=in_tmp)
+    assert run.returncode == 0 and run.stdout.startswith("v4launch "), run.stderr
 
 
 def test_version_and_non_mapping_recipes(in_tmp: Path):
