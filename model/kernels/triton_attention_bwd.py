@@ -33,7 +33,8 @@ import triton.language as tl
 from .triton_attention import LOG2E, _prep
 
 # Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
-# tile BN fixes the slot layout of the dS buffer; pass 2 walks each BN tile in BNQ-row sub-tiles.
+# tile BN fixes the slot layout of the dS buffer (each range padded to whole BN tiles); pass 2 walks
+# the same rows in BNQ-row tiles, BNQ capped at BN so it never reads past a range's padded slots.
 CONFIGS = {"dkv": dict(BN=128, NP=2, num_warps=8, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=2)}
 # Pass-1 configs the sweep tries and the GPU tests check (each fits the 227 KB of shared memory
 # at H = 64, D = 512 in bf16).
@@ -232,5 +233,6 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
                         HAS_RNG=has_rng, USE_ASM=q.is_cuda,
                         num_warps=c1["num_warps"], num_stages=c1["num_stages"])
         _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK, BN=BN,
-                       BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
+                       BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng, num_warps=c2["num_warps"],
+                       num_stages=c2["num_stages"])
     return dq, dkv, delta
