@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4launch.model.kernels.triton_attention_bwd import _red_add_rows
+from v4launch.model.kernels.triton_attention import _red_add_rows
 
 
 @triton.jit

@@ -11,7 +11,8 @@ Backward: bf16/fp16 with heads % 64 == 0 run the two-pass kernels of
 The single-pass kernel here serves float32 and other head counts: per query, recompute p
 from the saved lse, ``dS = p * (dP - delta)``; dQ accumulates in registers, dKV tiles
 [BN, D] go to a float32 buffer with relaxed ``red.global.add.v2.f32`` reductions on column
-pairs (rows are shared across queries; V = K so both terms land in one row).
+pairs (``_red_add_rows``, shared with the two-pass kernels; rows are shared across queries,
+and V = K so both terms land in one row).
 dsink = -sum_t exp(sink - lse) * delta (one tiny torch reduction).
 
 Memory: O(T * H * D) for q/out/dq, O(N * D) float32 for dkv; nothing in T^2.
@@ -107,24 +108,28 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk
 
 
 @triton.jit
-def _red_add_pairs(ptrs, vals, mask):
-    """``*ptrs += vals`` where ``mask`` != 0, for a [R, C] float32 tile over contiguous columns
-    (C even, column 0 at an 8-byte boundary): one ``red.global.add.v2.f32`` (sm_90) per
-    adjacent column pair, half the atomic operations of an element-wise ``tl.atomic_add``.
-    The pairs are formed explicitly (reshape + split), whatever the tile's register layout."""
+def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr):
+    """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows (float32, relaxed, gpu scope), one
+    ``red.global.add.v2.f32`` (sm_90) per column pair. The address is formed inside the asm from
+    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built."""
     R: tl.constexpr = vals.shape[0]
     C: tl.constexpr = vals.shape[1]
     v_even, v_odd = tl.split(tl.reshape(vals, [R, C // 2, 2]))
-    p_even, _ = tl.split(tl.reshape(ptrs.to(tl.int64, bitcast=True), [R, C // 2, 2]))
-    m_even, _ = tl.split(tl.reshape(mask, [R, C // 2, 2]))
+    base = (OUT + rows.to(tl.int64) * D + col0).to(tl.int64, bitcast=True)
+    base = tl.broadcast_to(base[:, None], [R, C // 2])
+    col = tl.broadcast_to((tl.arange(0, C // 2) * 8)[None, :], [R, C // 2])
+    ok = tl.broadcast_to(valid.to(tl.int32)[:, None], [R, C // 2])
     tl.inline_asm_elementwise(
         asm="""{
         .reg .pred p;
+        .reg .u64 a;
         setp.ne.b32 p, $2, 0;
-        @p red.global.gpu.relaxed.add.v2.f32 [$1], {$3, $4};
+        cvt.u64.u32 a, $3;
+        add.u64 a, a, $1;
+        @p red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5};
         mov.b32 $0, 0;
         }""",
-        constraints="=r,l,r,r,r", args=[p_even, m_even, v_even, v_odd], dtype=tl.int32, is_pure=False, pack=1)
+        constraints="=r,l,r,r,r,r", args=[base, ok, col, v_even, v_odd], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -145,8 +150,7 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
     dq = tl.dot(ds.to(kvv.dtype), kvv, dq, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
     dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
-    offs_v = dv0 + tl.arange(0, DV)
-    _red_add_pairs(DKV + rows64[:, None] * D + offs_v[None, :], dkv, (valid[:, None] & (offs_v[None, :] >= 0)).to(tl.int32))
+    _red_add_rows(DKV, rows, valid, dkv, dv0, D)
     return dq
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _prep
+from .triton_attention import LOG2E, _prep, _red_add_rows
 
 # Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
 # tile BN fixes the slot layout of the dS buffer (each range padded to whole BN tiles); pass 2 walks
@@ -52,31 +52,6 @@ def supported(q: torch.Tensor) -> bool:
     H, D = q.shape[1], q.shape[2]
     return (q.dtype in (torch.bfloat16, torch.float16) and H % HEAD_BLOCK == 0
             and D % (16 * CONFIGS["dkv"]["NP"]) == 0)
-
-
-@triton.jit
-def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr):
-    """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows (float32, relaxed, gpu scope), one
-    ``red.global.add.v2.f32`` (sm_90) per column pair. The address is formed inside the asm from
-    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built."""
-    R: tl.constexpr = vals.shape[0]
-    C: tl.constexpr = vals.shape[1]
-    v_even, v_odd = tl.split(tl.reshape(vals, [R, C // 2, 2]))
-    base = (OUT + rows.to(tl.int64) * D + col0).to(tl.int64, bitcast=True)
-    base = tl.broadcast_to(base[:, None], [R, C // 2])
-    col = tl.broadcast_to((tl.arange(0, C // 2) * 8)[None, :], [R, C // 2])
-    ok = tl.broadcast_to(valid.to(tl.int32)[:, None], [R, C // 2])
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        .reg .u64 a;
-        setp.ne.b32 p, $2, 0;
-        cvt.u64.u32 a, $3;
-        add.u64 a, a, $1;
-        @p red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5};
-        mov.b32 $0, 0;
-        }""",
-        constraints="=r,l,r,r,r,r", args=[base, ok, col, v_even, v_odd], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
