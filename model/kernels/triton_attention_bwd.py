@@ -35,12 +35,12 @@ from .triton_attention import LOG2E, _prep, _red_add_rows
 # Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
 # tile BN fixes the slot layout of the dS buffer (each range padded to whole BN tiles); pass 2 walks
 # the same rows in BNQ-row tiles, BNQ capped at BN so it never reads past a range's padded slots.
-CONFIGS = {"dkv": dict(BN=128, NP=2, num_warps=8, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=2)}
+CONFIGS = {"dkv": dict(BN=128, NP=4, num_warps=8, num_stages=1), "dq": dict(BNQ=64, num_warps=8, num_stages=3)}
 # Pass-1 configs the sweep tries and the GPU tests check (each fits the 227 KB of shared memory
 # at H = 64, D = 512 in bf16).
 DKV_CANDIDATES = (dict(BN=64, NP=2, num_warps=4, num_stages=1), dict(BN=64, NP=4, num_warps=4, num_stages=1),
                   dict(BN=128, NP=4, num_warps=8, num_stages=1), dict(BN=128, NP=2, num_warps=8, num_stages=1))
-DQ_CANDIDATES = (dict(BNQ=64, num_warps=8, num_stages=2), dict(BNQ=32, num_warps=8, num_stages=2),
+DQ_CANDIDATES = (dict(BNQ=64, num_warps=8, num_stages=3), dict(BNQ=64, num_warps=8, num_stages=2),
                  dict(BNQ=32, num_warps=8, num_stages=3), dict(BNQ=128, num_warps=8, num_stages=1))
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 HEAD_BLOCK = 64
@@ -55,31 +55,21 @@ def supported(q: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _dkv_tile(qs, dos, KV, DKV, DS, rows, valid, slot, lse2, delta, qk_scale, sm_scale, t_loc, NC, offs_h, offs_c,
-              offs_n, H: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, USE_ASM: tl.constexpr):
-    BH: tl.constexpr = offs_h.shape[0]
-    P: tl.constexpr = D // NP
-    kp = KV + rows.to(tl.int64)[:, None] * D + offs_c[None, :]
-    st = tl.zeros([offs_n.shape[0], BH], tl.float32)
-    dpt = tl.zeros([offs_n.shape[0], BH], tl.float32)
-    for i in tl.static_range(NP):
-        k_i = tl.load(kp + i * P, mask=valid[:, None], other=0.0)
-        st = tl.dot(k_i, tl.trans(qs[i]), st)
-        dpt = tl.dot(k_i, tl.trans(dos[i]), dpt)
-    pt = tl.math.exp2(st * qk_scale - lse2[None, :])
-    pt = tl.where(valid[:, None], pt, 0.0)
-    dsb = (pt * (dpt - delta[None, :]) * sm_scale).to(qs[0].dtype)
-    ptb = pt.to(qs[0].dtype)
-    tl.store(DS + (t_loc * H + offs_h[None, :]).to(tl.int64) * NC + (slot + offs_n)[:, None], dsb)
-    for i in tl.static_range(NP):
-        a = tl.dot(ptb, dos[i])
-        a = tl.dot(dsb, qs[i], a)
-        if USE_ASM:
-            _red_add_rows(DKV, rows, valid, a, i * P, D)
-        else:  # Triton's interpreter (CPU) runs no inline asm
-            tl.atomic_add(DKV + rows.to(tl.int64)[:, None] * D + i * P + offs_c[None, :], a, mask=valid[:, None],
-                          sem="relaxed")
-    return slot + offs_n.shape[0]
+def _tile_rows(j, n0, n1, n_tiles, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN: tl.constexpr,
+               HAS_IDX: tl.constexpr):
+    """kv rows [BN] and validity of candidate tile j of query t: the BN-row tiles of range 0
+    (n0 of them), then of range 1 (n1), then of the index columns; j >= n_tiles gives no valid row."""
+    in0 = j < n0
+    in1 = (j >= n0) & (j < n0 + n1)
+    start = tl.where(in0, lo0 + j * BN, tl.where(in1, lo1 + (j - n0) * BN, (j - n0 - n1) * BN))
+    rows = start + offs_n
+    valid = (rows < tl.where(in0, hi0, hi1)) & (j < n_tiles)
+    if HAS_IDX:
+        is_idx = j >= n0 + n1
+        sel = tl.load(IDX + t * K_SEL + rows, mask=is_idx & (rows < K_SEL) & (j < n_tiles), other=-1)
+        valid = tl.where(is_idx, sel >= 0, valid)
+        rows = tl.where(is_idx, sel, rows)
+    return rows, valid
 
 
 @triton.jit
@@ -87,40 +77,59 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
               H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
               HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, USE_ASM: tl.constexpr):
     """Q, O, DO share strides (sq_t, sq_h, 1); program (i, j) handles query t0 + i, heads
-    j * BH ... j * BH + BH - 1. q and dO stay resident as NP column parts [BH, D / NP]; the dKV
-    accumulator is one part [BN, D / NP]."""
+    j * BH ... j * BH + BH - 1. q and dO stay resident stacked as [2 * BH, D / NP] column parts
+    (rows 0..BH-1 from q, BH..2BH-1 from dO); the dKV accumulator is one part [BN, D / NP]."""
     t_loc = tl.program_id(0)
     t = t0 + t_loc.to(tl.int64)
     P: tl.constexpr = D // NP
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_2h = tl.arange(0, 2 * BH)
     offs_c = tl.arange(0, P)
     offs_n = tl.arange(0, BN)
     base = t * sq_t + offs_h[:, None] * sq_h + offs_c[None, :]
-    qs = ()
-    dos = ()
+    base2 = t * sq_t + (tl.program_id(1) * BH + offs_2h % BH)[:, None] * sq_h + offs_c[None, :]
+    from_q = offs_2h[:, None] < BH
+    qdo = ()
     delta = tl.zeros([BH], tl.float32)
     for i in tl.static_range(NP):
-        qs = qs + (tl.load(Q + base + i * P),)
-        do_i = tl.load(DO + base + i * P)
-        dos = dos + (do_i,)
-        delta += tl.sum(do_i.to(tl.float32) * tl.load(O + base + i * P).to(tl.float32), 1)
+        qdo = qdo + (tl.load(tl.where(from_q, Q + base2 + i * P, DO + base2 + i * P)),)
+        delta += tl.sum(tl.load(DO + base + i * P).to(tl.float32) * tl.load(O + base + i * P).to(tl.float32), 1)
     tl.store(DELTA + t * H + offs_h, delta)
     lse2 = tl.load(LSE + t * H + offs_h) * 1.4426950408889634
-    slot = 0
+    lo0 = 0
+    hi0 = 0
+    lo1 = 0
+    hi1 = 0
     if HAS_RNG:
-        for r in tl.static_range(2):
-            lo = tl.load(RNG + t * 4 + 2 * r)
-            hi = tl.load(RNG + t * 4 + 2 * r + 1)
-            for start in range(lo, hi, BN):
-                rows = start + offs_n
-                slot = _dkv_tile(qs, dos, KV, DKV, DS, rows, rows < hi, slot, lse2, delta, qk_scale, sm_scale, t_loc,
-                                 NC, offs_h, offs_c, offs_n, H, D, NP, USE_ASM)
+        lo0 = tl.load(RNG + t * 4)
+        hi0 = tl.load(RNG + t * 4 + 1)
+        lo1 = tl.load(RNG + t * 4 + 2)
+        hi1 = tl.load(RNG + t * 4 + 3)
+    n0 = tl.cdiv(tl.maximum(hi0 - lo0, 0), BN)
+    n1 = tl.cdiv(tl.maximum(hi1 - lo1, 0), BN)
+    n_tiles = n0 + n1
     if HAS_IDX:
-        for start in range(0, K_SEL, BN):
-            sel = start + offs_n
-            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-            slot = _dkv_tile(qs, dos, KV, DKV, DS, rows, rows >= 0, slot, lse2, delta, qk_scale, sm_scale, t_loc,
-                             NC, offs_h, offs_c, offs_n, H, D, NP, USE_ASM)
+        n_tiles += tl.cdiv(K_SEL, BN)
+    for j in range(0, n_tiles):  # one loop over every tile of both ranges and the index columns
+        rows, valid = _tile_rows(j, n0, n1, n_tiles, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN, HAS_IDX)
+        kp = KV + rows.to(tl.int64)[:, None] * D + offs_c[None, :]
+        sd = tl.zeros([BN, 2 * BH], tl.float32)  # [S^T | dP^T]: one product with N = 2 * BH
+        for i in tl.static_range(NP):
+            sd = tl.dot(tl.load(kp + i * P, mask=valid[:, None], other=0.0), tl.trans(qdo[i]), sd)
+        st, dpt = tl.split(tl.permute(tl.reshape(sd, [BN, 2, BH]), (0, 2, 1)))
+        pt = tl.math.exp2(st * qk_scale - lse2[None, :])
+        pt = tl.where(valid[:, None], pt, 0.0)
+        dsb = (pt * (dpt - delta[None, :]) * sm_scale).to(Q.dtype.element_ty)
+        tl.store(DS + (t_loc * H + offs_h[None, :]).to(tl.int64) * NC + (j * BN + offs_n)[:, None], dsb)
+        # [dS^T | P^T] against the stacked [q; dO]: dKV = dS^T q + P^T dO in one product with K = 2 * BH
+        a_op = tl.reshape(tl.permute(tl.join(dsb, pt.to(Q.dtype.element_ty)), (0, 2, 1)), [BN, 2 * BH])
+        for i in tl.static_range(NP):
+            a = tl.dot(a_op, qdo[i])
+            if USE_ASM:
+                _red_add_rows(DKV, rows, valid, a, i * P, D)
+            else:  # Triton's interpreter (CPU) runs no inline asm
+                tl.atomic_add(DKV + rows.to(tl.int64)[:, None] * D + i * P + offs_c[None, :], a,
+                              mask=valid[:, None], sem="relaxed")
 
 
 @triton.jit
