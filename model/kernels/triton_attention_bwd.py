@@ -86,14 +86,16 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
     offs_2h = tl.arange(0, 2 * BH)
     offs_c = tl.arange(0, P)
     offs_n = tl.arange(0, BN)
-    base = t * sq_t + offs_h[:, None] * sq_h + offs_c[None, :]
-    base2 = t * sq_t + (tl.program_id(1) * BH + offs_2h % BH)[:, None] * sq_h + offs_c[None, :]
+    base = t * sq_t + (tl.program_id(1) * BH + offs_2h % BH)[:, None] * sq_h + offs_c[None, :]
     from_q = offs_2h[:, None] < BH
     qdo = ()
-    delta = tl.zeros([BH], tl.float32)
+    delta2 = tl.zeros([2 * BH], tl.float32)  # rows BH.. hold rowsum(dO * O); rows ..BH stay 0
     for i in tl.static_range(NP):
-        qdo = qdo + (tl.load(tl.where(from_q, Q + base2 + i * P, DO + base2 + i * P)),)
-        delta += tl.sum(tl.load(DO + base + i * P).to(tl.float32) * tl.load(O + base + i * P).to(tl.float32), 1)
+        qdo_i = tl.load(tl.where(from_q, Q + base + i * P, DO + base + i * P))
+        o_i = tl.load(O + base + i * P, mask=~from_q, other=0.0)
+        delta2 += tl.sum(qdo_i.to(tl.float32) * o_i.to(tl.float32), 1)
+        qdo = qdo + (qdo_i,)
+    delta = tl.sum(tl.reshape(delta2, [2, BH]), 0)
     tl.store(DELTA + t * H + offs_h, delta)
     lse2 = tl.load(LSE + t * H + offs_h) * 1.4426950408889634
     lo0 = 0
