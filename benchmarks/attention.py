@@ -308,11 +308,10 @@ SWEEP = {
 }
 
 
-def sweep(T=32768, H=64, D=512, K=512, W=128):
-    """Time core configs on a CSA-shaped problem (window range + K gathered entries); keep the best."""
-    from v4launch.model.kernels import triton_attention as ta
-    from v4launch.model.kernels import triton_attention_bwd as tb
-
+def csa_problem(T, H=64, D=512, K=512, W=128):
+    """A CSA-shaped core problem with random data: q [T, H, D], kv [T + T/4, D] (raw rows, then the
+    compressed entries), idx [T, K] (random visible entries; may repeat: timing only), the window
+    range [t - W + 1, t]; returns (q, kv, idx, sink, ranges, candidates)."""
     C = T // 4
     q = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16)
     kv = torch.randn(T + C, D, device=DEV, dtype=torch.bfloat16)
@@ -320,9 +319,17 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
     t = torch.arange(T, device=DEV)
     nvis = (t + 1) // 4
     idx = (torch.rand(T, K, device=DEV) * nvis[:, None].clamp_min(1)).long()
-    idx = torch.where(torch.arange(K, device=DEV)[None, :] < nvis[:, None], idx + T, -1).int()  # may repeat: timing only
+    idx = torch.where(torch.arange(K, device=DEV)[None, :] < nvis[:, None], idx + T, -1).int()
     ranges = torch.stack(((t - W + 1).clamp_min(0), t + 1, t * 0, t * 0), 1).int()
-    n = int((ranges[:, 1] - ranges[:, 0]).sum() + (idx >= 0).sum())
+    return q, kv, idx, sink, ranges, int((ranges[:, 1] - ranges[:, 0]).sum() + (idx >= 0).sum())
+
+
+def sweep(T=32768, H=64, D=512):
+    """Time core configs on a CSA-shaped problem (window range + K gathered entries); keep the best."""
+    from v4launch.model.kernels import triton_attention as ta
+    from v4launch.model.kernels import triton_attention_bwd as tb
+
+    q, kv, idx, sink, ranges, n = csa_problem(T, H, D)
     out = []
     for kind in ("fwd", "bwd", "bwd_dq"):
         best = None
@@ -357,6 +364,38 @@ def sweep(T=32768, H=64, D=512, K=512, W=128):
     return out
 
 
+def bwd_breakdown(sizes, peak, reps=3, H=64, D=512):
+    """Where the two-pass backward's time goes on CSA-shaped problems: the whole backward, pass 1
+    alone, pass 1 without the dKV reductions of the index (top-k) tiles, pass 2 alone. Prints a
+    markdown table; returns its rows."""
+    from v4launch.model.kernels import triton_attention as ta
+    from v4launch.model.kernels import triton_attention_bwd as tb
+
+    rows = []
+    print("| tokens | backward ms | TFLOP/s (% peak) | pass 1 ms | pass 1 without top-k dKV reductions ms |"
+          " their exposed cost ms | pass 2 ms |", flush=True)
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for T in sizes:
+        q, kv, idx, sink, ranges, n = csa_problem(T, H, D)
+        o, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
+        do = torch.randn_like(o)
+        ms = {}
+        for name, kw in (("bwd", {}), ("pass1", dict(passes=("dkv",))),
+                         ("pass1_no_idx_red", dict(passes=("dkv",), reduce_idx=False)), ("pass2", dict(passes=("dq",)))):
+            fn = lambda: tb.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5, **kw)  # noqa: E731
+            fn()
+            ms[name] = cuda_time(fn, reps)
+        tf = 10 * H * D * n / ms["bwd"] / 1e9
+        r = dict(T=T, candidates=n, tflops=tf, **{f"{k}_ms": v for k, v in ms.items()})
+        rows.append(r)
+        print(f"| {T} | {ms['bwd']:.1f} | {tf:.0f} ({100 * tf / peak:.1f}%) | {ms['pass1']:.1f} | "
+              f"{ms['pass1_no_idx_red']:.1f} | {ms['pass1'] - ms['pass1_no_idx_red']:.1f} | {ms['pass2']:.1f} |",
+              flush=True)
+        del q, kv, o, do
+        torch.cuda.empty_cache()
+    return rows
+
+
 def fmt(v, nd=1):
     return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
@@ -376,6 +415,8 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="run the sweep, print it and stop")
     ap.add_argument("--no-parity", action="store_true")
     ap.add_argument("--no-fp32-parity", action="store_true")
+    ap.add_argument("--bwd-breakdown", action="store_true",
+                    help="time the two-pass backward's passes on CSA-shaped problems of --sizes and stop")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     reps = 1 if a.quick else 3
@@ -388,6 +429,10 @@ def main():
     env["copy_gbs"] = copy_bw()
     print(json.dumps(env), flush=True)
     results = dict(env=env, parity=[], rows=[], sweep=[])
+    if a.bwd_breakdown:
+        results["bwd_breakdown"] = bwd_breakdown(sizes, env["peak_tflops"], reps)
+        Path(a.out, "attention_bwd_breakdown.json").write_text(json.dumps(results, indent=1, default=str))
+        return
     if a.sweep or a.sweep_only:
         results["sweep"] = sweep()
         if a.sweep_only:
