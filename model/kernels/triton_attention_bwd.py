@@ -1,18 +1,18 @@
 """Two-pass Triton backward of the sparse sink attention (SM90, bf16/fp16), in query chunks.
 
-Pass 1, ``_dkv_pass`` (one program = one query t, one warpgroup). The BN kv rows of a
-candidate tile are the M dimension of every product, so each one is a Hopper wgmma with
-M = BN = 64: the scores with N = H = 64 heads, the dKV part with N = D / NP and the
-register-resident P^T / dS^T as the A operand (no shared-memory round trip):
+Pass 1, ``_dkv_pass`` (one program = one query t, two warpgroups). The BN = 128 kv rows of a
+candidate tile are the M dimension of every product (64 rows per warpgroup, the Hopper wgmma
+minimum). q and dO of the query stay in shared memory stacked as one operand [q; dO] [2H, D]
+(in NP column parts), so each tile takes two products, each a wgmma with N or K = 2H = 128:
 
-    S^T  = K_tile Q^T,   dP^T = K_tile dO^T                        [BN, H]   (K = D, in NP parts)
+    [S^T | dP^T] = K_tile [q; dO]^T                                 [BN, 2H]  (K = D, in NP parts)
     P^T  = exp2(S^T * scale * log2e - lse * log2e)                  (lse saved by the forward)
     dS^T = P^T * (dP^T - delta) * scale,   delta = rowsum(dO * O)   (FlashAttention-2 backward, sec. 3.1)
-    dKV_tile = P^T dO + dS^T Q                                      [BN, D]   (V = K: one row gets both)
+    dKV_tile = [dS^T | P^T] [q; dO] = dS^T q + P^T dO               [BN, D]   (V = K: one row gets both)
 
-dKV goes to a float32 [N, D] buffer with ``red.global.add.v2.f32`` (rows are shared by many
-queries: window overlap, top-k reuse). dS (scale included, q's dtype) goes to a
-[Tc, H, NC] buffer, one column per candidate slot.
+with [dS^T | P^T] a register operand. dKV goes to a float32 [N, D] buffer with
+``red.global.add.v2.f32`` (rows are shared by many queries: window overlap, top-k reuse). dS
+(scale included, q's dtype) goes to a [Tc, H, NC] buffer, one column per candidate slot.
 
 Pass 2, ``_dq_pass`` (one program = one query, two warpgroups): dQ = dS K over the same
 tiles in the same order, reading dS back instead of recomputing the scores.
