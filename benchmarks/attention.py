@@ -381,7 +381,8 @@ def bwd_breakdown(sizes, peak, reps=3, H=64, D=512):
         do = torch.randn_like(o)
         ms = {}
         for name, kw in (("bwd", {}), ("pass1", dict(passes=("dkv",))),
-                         ("pass1_no_idx_red", dict(passes=("dkv",), reduce_idx=False)), ("pass2", dict(passes=("dq",)))):
+                         ("pass1_no_idx_red", dict(passes=("dkv",), reduce_idx=False)),
+                         ("pass2", dict(passes=("dq",)))):
             fn = lambda: tb.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5, **kw)  # noqa: E731
             fn()
             ms[name] = cuda_time(fn, reps)

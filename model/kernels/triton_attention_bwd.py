@@ -75,12 +75,13 @@ def _tile_rows(j, n0, n1, n_tiles, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN
 @triton.jit
 def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, sq_h, qk_scale, sm_scale,
               H: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
-              HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, USE_ASM: tl.constexpr, REDUCE_IDX: tl.constexpr = True):
+              HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, USE_ASM: tl.constexpr,
+              REDUCE_IDX: tl.constexpr = True):
     """Q, O, DO share strides (sq_t, sq_h, 1); program (i, j) handles query t0 + i, heads
     j * BH ... j * BH + BH - 1. q and dO stay resident stacked as [2 * BH, D / NP] column parts
     (rows 0..BH-1 from q, BH..2BH-1 from dO); the dKV accumulator is one part [BN, D / NP].
-    REDUCE_IDX = False drops the dKV of index tiles (wrong result: benchmarks/attention_bwd_breakdown.py
-    uses it to time what those reductions cost)."""
+    REDUCE_IDX = False drops the dKV of index tiles (wrong result: ``benchmarks/attention.py
+    --bwd-breakdown`` uses it to time what those reductions cost)."""
     t_loc = tl.program_id(0)
     t = t0 + t_loc.to(tl.int64)
     P: tl.constexpr = D // NP
@@ -197,7 +198,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     None; lse [T, H] float32 from the forward. Returns (dq [T, H, D] q.dtype, dkv [N, D]
     float32, delta [T, H] float32 = rowsum(dout * out)). ``budget_bytes`` (default
     ``BUDGET_BYTES``) bounds the dS buffer; queries run in chunks that fit it.
-    ``passes`` and ``reduce_idx`` exist for benchmarks/attention_bwd_breakdown.py, which times one
+    ``passes`` and ``reduce_idx`` exist for ``benchmarks/attention.py --bwd-breakdown``, which times one
     pass alone or pass 1 without the dKV reductions of index tiles; any other setting returns
     incomplete gradients. Raises ValueError when :func:`supported` is false for q."""
     if not supported(q):
@@ -227,7 +228,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
                             HAS_RNG=has_rng, USE_ASM=q.is_cuda, REDUCE_IDX=reduce_idx,
                             num_warps=c1["num_warps"], num_stages=c1["num_stages"])
         if "dq" in passes:
-            _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK, BN=BN,
-                           BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng,
+            _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK,
+                           BN=BN, BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng,
                            num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     return dq, dkv, delta
