@@ -108,12 +108,17 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk
 
 
 @triton.jit
-def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr):
+def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr, USE_ASM: tl.constexpr = True):
     """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows (float32, relaxed, gpu scope), one
     ``red.global.add.v2.f32`` (sm_90) per column pair. The address is formed inside the asm from
-    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built."""
+    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built.
+    USE_ASM = False (Triton's CPU interpreter, which runs no inline asm) uses ``tl.atomic_add``."""
     R: tl.constexpr = vals.shape[0]
     C: tl.constexpr = vals.shape[1]
+    if not USE_ASM:
+        tl.atomic_add(OUT + rows.to(tl.int64)[:, None] * D + col0 + tl.arange(0, C)[None, :], vals,
+                      mask=valid[:, None], sem="relaxed")
+        return
     v_even, v_odd = tl.split(tl.reshape(vals, [R, C // 2, 2]))
     base = (OUT + rows.to(tl.int64) * D + col0).to(tl.int64, bitcast=True)
     base = tl.broadcast_to(base[:, None], [R, C // 2])
@@ -134,7 +139,7 @@ def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr):
 
 @triton.jit
 def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, sm_scale, offs_d, dv0,
-              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr):
+              D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_ASM: tl.constexpr):
     rows64 = rows.to(tl.int64)
     kvt = tl.load(KV + rows64[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
@@ -150,14 +155,14 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
     dq = tl.dot(ds.to(kvv.dtype), kvv, dq, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
     dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
-    _red_add_rows(DKV, rows, valid, dkv, dv0, D)
+    _red_add_rows(DKV, rows, valid, dkv, dv0, D, USE_ASM)
     return dq
 
 
 @triton.jit
 def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
                 H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
-                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
+                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr, USE_ASM: tl.constexpr):
     """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D]."""
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
@@ -185,13 +190,13 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
             for start in range(lo, hi, BN):
                 rows = start + offs_n
                 dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows < hi, lse2, delta, dq, qk_scale, sm_scale,
-                               offs_d, dv0, D, DV, PREC)
+                               offs_d, dv0, D, DV, PREC, USE_ASM)
     if HAS_IDX:
         for start in range(0, K_SEL, BN):
             sel = start + offs_n
             rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
             dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows >= 0, lse2, delta, dq, qk_scale, sm_scale,
-                           offs_d, dv0, D, DV, PREC)
+                           offs_d, dv0, D, DV, PREC, USE_ASM)
     tl.store(DQ + base + offs_v[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))
     if tl.program_id(1) == 0:
         tl.store(DELTA + t * H + offs_h, delta)
@@ -279,8 +284,8 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
         _sparse_bwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
             q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, K, q.stride(0), q.stride(1),
             scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H), HAS_IDX=has_idx,
-            HAS_RNG=has_rng,
-            PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            HAS_RNG=has_rng, PREC=_prec(q.dtype), USE_ASM=q.is_cuda, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     return dq, dkv, delta
 
 

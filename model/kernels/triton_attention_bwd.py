@@ -55,18 +55,20 @@ def supported(q: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _tile_rows(j, n0, n1, n_tiles, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN: tl.constexpr,
+def _tile_rows(j, n0, n1, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN: tl.constexpr,
                HAS_IDX: tl.constexpr):
-    """kv rows [BN] and validity of candidate tile j of query t: the BN-row tiles of range 0
-    (n0 of them), then of range 1 (n1), then of the index columns; j >= n_tiles gives no valid row."""
+    """kv rows [BN] and validity of candidate tile j of query t: the BN-row tiles of
+    range 0 (n0 of them), then of range 1 (n1), then of the index columns. Scalar conditions pick
+    bounds rather than join block masks with ``&`` (Triton's interpreter turns a scalar-and-block
+    ``&`` into int32, which its masked load refuses)."""
     in0 = j < n0
     in1 = (j >= n0) & (j < n0 + n1)
     start = tl.where(in0, lo0 + j * BN, tl.where(in1, lo1 + (j - n0) * BN, (j - n0 - n1) * BN))
     rows = start + offs_n
-    valid = (rows < tl.where(in0, hi0, hi1)) & (j < n_tiles)
+    valid = rows < tl.where(in0, hi0, hi1)
     if HAS_IDX:
         is_idx = j >= n0 + n1
-        sel = tl.load(IDX + t * K_SEL + rows, mask=is_idx & (rows < K_SEL) & (j < n_tiles), other=-1)
+        sel = tl.load(IDX + t * K_SEL + rows, mask=rows < tl.where(is_idx, K_SEL, 0), other=-1)
         valid = tl.where(is_idx, sel >= 0, valid)
         rows = tl.where(is_idx, sel, rows)
     return rows, valid
@@ -116,7 +118,7 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
     if HAS_IDX:
         n_tiles += tl.cdiv(K_SEL, BN)
     for j in range(0, n_tiles):  # one loop over every tile of both ranges and the index columns
-        rows, valid = _tile_rows(j, n0, n1, n_tiles, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN, HAS_IDX)
+        rows, valid = _tile_rows(j, n0, n1, lo0, hi0, lo1, hi1, IDX, t, K_SEL, offs_n, BN, HAS_IDX)
         kp = KV + rows.to(tl.int64)[:, None] * D + offs_c[None, :]
         sd = tl.zeros([BN, 2 * BH], tl.float32)  # [S^T | dP^T]: one product with N = 2 * BH
         for i in tl.static_range(NP):
@@ -129,14 +131,9 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
         # [dS^T | P^T] against the stacked [q; dO]: dKV = dS^T q + P^T dO in one product with K = 2 * BH
         a_op = tl.reshape(tl.permute(tl.join(dsb, pt.to(Q.dtype.element_ty)), (0, 2, 1)), [BN, 2 * BH])
         if not REDUCE_IDX:
-            valid = valid & (j < n0 + n1)
+            valid = tl.where(j < n0 + n1, valid, False)
         for i in tl.static_range(NP):
-            a = tl.dot(a_op, qdo[i])
-            if USE_ASM:
-                _red_add_rows(DKV, rows, valid, a, i * P, D)
-            else:  # Triton's interpreter (CPU) runs no inline asm
-                tl.atomic_add(DKV + rows.to(tl.int64)[:, None] * D + i * P + offs_c[None, :], a,
-                              mask=valid[:, None], sem="relaxed")
+            _red_add_rows(DKV, rows, valid, tl.dot(a_op, qdo[i]), i * P, D, USE_ASM)
 
 
 @triton.jit
