@@ -1,0 +1,111 @@
+"""Runs the Triton kernels under Triton's CPU interpreter against float64 references; prints one
+JSON object {case: {quantity: relative L2 error}}.
+
+Started by test_kernels_interpreter.py in a subprocess, because ``TRITON_INTERPRET=1`` must be
+set before the kernels are defined (at import). Usage: ``python interpreter_cases.py SEED``.
+The shapes are small (the interpreter runs every program on numpy) but walk every path the
+kernels have: window ranges and index columns alone and together, masked slots, queries with no
+candidate, several query chunks of the two-pass backward, two head blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+from v4launch.model.kernels import reference as ref  # noqa: E402
+from v4launch.model.kernels import triton_attention as ta  # noqa: E402
+from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
+from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def problem(g: torch.Generator, T: int, H: int, D: int, N: int, K: int, mode: str):
+    """q [T, H, D], kv [N, D], sink [H] float32; idx [T, K] (20% masked, query 3 all masked) and
+    two ranges per query (query 5 none), each present only if ``mode`` names it."""
+    q = torch.randn(T, H, D, generator=g)
+    kv = torch.randn(N, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    idx = torch.stack([torch.randperm(N - 50, generator=g)[:K] + 50 for _ in range(T)]).int()
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    idx[3] = -1
+    t = torch.arange(T)
+    lo = (t % 30).clamp_max(49)
+    ranges = torch.stack((lo, (lo + t % 23).clamp_max(50), 0 * t + 100, 100 + t % 5), 1).int()
+    ranges[5] = 0
+    return q, kv, sink, (idx if "idx" in mode else None), (ranges if "ranges" in mode else None)
+
+
+def float64_truth(q, kv, sink, idx, ranges, g_out, scale):
+    qd, kd, sd = (x.double().requires_grad_() for x in (q, kv, sink))
+    out, lse = ref.sparse_sink_attention(qd, kd, idx, sd, scale, ranges)
+    grads = torch.autograd.grad((out * g_out.double()).sum(), (qd, kd, sd))
+    return out.detach(), lse.detach(), grads
+
+
+def attention_cases(seed: int) -> dict:
+    """Forward kernel + single-pass backward (float32 autograd path) and the two-pass backward."""
+    res = {}
+    for mode in ("idx+ranges", "idx", "ranges"):
+        g = torch.Generator().manual_seed(seed)
+        q, kv, sink, idx, ranges = problem(g, T=24, H=16, D=32, N=120, K=20, mode=mode)
+        scale = 32 ** -0.5
+        g_out = torch.randn(q.shape, generator=g)
+        out_t, lse_t, (dq_t, dkv_t, dsink_t) = float64_truth(q, kv, sink, idx, ranges, g_out, scale)
+        qk, kvk, sk = (x.clone().requires_grad_() for x in (q, kv, sink))
+        out, lse = ta.sparse_sink_attention(qk, kvk, idx, sk, scale, ranges)
+        dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
+        res[f"single_pass/{mode}"] = dict(out=rel(out, out_t), lse=rel(lse, lse_t), dq=rel(dq, dq_t),
+                                          dkv=rel(dkv, dkv_t), dsink=rel(dsink, dsink_t))
+
+        # Two-pass backward: the bf16-only gate exists for the GPU's shared memory, which the
+        # interpreter does not have, so float32 runs it here; H = 128 is two head blocks, and the
+        # budget of a few queries' dS buffer makes many query chunks.
+        g = torch.Generator().manual_seed(seed + 1)
+        q, kv, sink, idx, ranges = problem(g, T=24, H=128, D=64, N=120, K=20, mode=mode)
+        scale = 64 ** -0.5
+        g_out = torch.randn(q.shape, generator=g)
+        out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, idx, ranges, g_out, scale)
+        saved = tb.supported, dict(tb.CONFIGS)
+        tb.supported = lambda q: True  # noqa: E731
+        tb.CONFIGS.update(dkv=dict(BN=32, NP=4, num_warps=4, num_stages=1), dq=dict(BNQ=16, num_warps=4, num_stages=1))
+        try:
+            dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out_t.float(), lse_t.float(), g_out, scale,
+                                              budget_bytes=100_000)
+        finally:
+            tb.supported, _ = saved
+            tb.CONFIGS.update(saved[1])
+        res[f"two_pass/{mode}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t),
+                                       delta=rel(delta, (g_out.double() * out_t).sum(-1)))
+    return res
+
+
+def teacher_and_indexer_cases(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed + 2)
+    q, kv, _, idx, _ = problem(g, T=24, H=16, D=32, N=120, K=20, mode="idx")
+    p = ta.head_avg_probs(q, kv, idx, 32 ** -0.5)
+    p_t = ref.head_avg_probs(q.double(), kv.double(), idx, 32 ** -0.5)
+    R, HI, DI, C = 40, 8, 32, 70
+    qi, w, keys = torch.randn(R, HI, DI, generator=g), torch.randn(R, HI, generator=g), torch.randn(C, DI, generator=g)
+    first = torch.randint(0, 20, (R,), generator=g)
+    n_vis = torch.randint(0, 40, (R,), generator=g)
+    s = ti.indexer_scores(qi, w, keys, first, n_vis, 10, 60)
+    s_t = ref.indexer_scores(qi.double(), w.double(), keys.double(), first, n_vis, 10, 60)
+    same_inf = bool(torch.equal(torch.isinf(s), torch.isinf(s_t)))
+    fin = torch.isfinite(s_t)
+    return {"teacher": dict(probs=rel(p, p_t)),
+            "indexer_scores": dict(scores=rel(s[fin], s_t[fin]), masked_differ=0.0 if same_inf else 1.0)}
+
+
+if __name__ == "__main__":
+    seed = int(sys.argv[1])
+    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed)}))
