@@ -197,7 +197,10 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     ``BUDGET_BYTES``) bounds the dS buffer; queries run in chunks that fit it.
     ``passes`` and ``reduce_idx`` exist for ``benchmarks/attention.py --bwd-breakdown``, which times one
     pass alone or pass 1 without the dKV reductions of index tiles; any other setting returns
-    incomplete gradients. Raises ValueError when :func:`supported` is false for q."""
+    incomplete gradients. Raises ValueError when :func:`supported` is false for q or a pass name is
+    unknown."""
+    if set(passes) - {"dkv", "dq"}:
+        raise ValueError(f"passes={passes!r}: each must be 'dkv' (pass 1) or 'dq' (pass 2)")
     if not supported(q):
         raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 and D % 64 == 0, got "
                          f"{q.dtype} {tuple(q.shape)}; use triton_attention.attention_bwd")

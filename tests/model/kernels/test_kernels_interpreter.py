@@ -54,3 +54,14 @@ def test_kernel_matches_float64_under_interpreter(case, interpreter_results):
     assert errors, f"seed {seed}: case {case} measured nothing"
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"seed {seed}: {case} {worst} relative error {errors[worst]:.2e} > {TOL:.0e}"
+
+
+def test_two_pass_backward_refuses_an_unknown_pass_name():
+    """The benchmark-only ``passes`` argument names passes; a typo must not silently skip one."""
+    import torch
+
+    from v4launch.model.kernels import triton_attention_bwd as tb
+
+    q = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="passes=.*'dkv'.*'dq'"):
+        tb.attention_bwd(q, q[:, 0], None, None, q, torch.zeros(2, 64), q, 1.0, passes=("dkv", "dQ"))
