@@ -188,7 +188,7 @@ def slot_count(ranges: torch.Tensor | None, n_idx: int, BN: int) -> int:
 
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int | None = None,
-                  passes: tuple[str, ...] = ("dkv", "dq"), reduce_idx: bool = True, dkv_kernel: str = "triton"):
+                  passes: tuple[str, ...] = ("dkv", "dq"), reduce_idx: bool = True):
     """Backward of :func:`triton_attention.sparse_sink_attention` for :func:`supported` q.
 
     q, out, dout [T, H, D]; kv [N, D]; idx [T, K] int32 (-1 masked) or None; ranges [T, 4] or
@@ -197,14 +197,10 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     ``BUDGET_BYTES``) bounds the dS buffer; queries run in chunks that fit it.
     ``passes`` and ``reduce_idx`` exist for ``benchmarks/attention.py --bwd-breakdown``, which times one
     pass alone or pass 1 without the dKV reductions of index tiles; any other setting returns
-    incomplete gradients. ``dkv_kernel`` = "gluon" runs pass 1 as
-    ``gluon_attention_bwd._dkv_pass`` (SM90, D == 512; an experiment, at parity with the Triton
-    kernel on the H200). Raises ValueError when :func:`supported` is false for q, a pass name is
-    unknown or ``dkv_kernel`` is neither name."""
+    incomplete gradients. Raises ValueError when :func:`supported` is false for q or a pass name is
+    unknown."""
     if set(passes) - {"dkv", "dq"}:
         raise ValueError(f"passes={passes!r}: each must be 'dkv' (pass 1) or 'dq' (pass 2)")
-    if dkv_kernel not in ("gluon", "triton"):
-        raise ValueError(f"dkv_kernel={dkv_kernel!r}: must be 'gluon' or 'triton'")
     if not supported(q):
         raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 and D % 64 == 0, got "
                          f"{q.dtype} {tuple(q.shape)}; use triton_attention.attention_bwd")
@@ -226,17 +222,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         grid = (n, H // HEAD_BLOCK)
-        if "dkv" in passes and dkv_kernel == "gluon":
-            from . import gluon_attention_bwd as gb
-            g = gb.CONFIG
-            if (BN, D) != (g["BN"], g["NP"] * HEAD_BLOCK):
-                raise ValueError(f"dkv_kernel='gluon' needs BN = {g['BN']} and D = {g['NP'] * HEAD_BLOCK}, "
-                                 f"got BN = {BN}, D = {D}; use dkv_kernel='triton'")
-            gb._dkv_pass[grid](q, kv, idx_t, rng_t, out, dout, lse, delta, dkv, ds, K, NC, t0, q.stride(0),
-                               q.stride(1), scale * LOG2E, scale, H=H, D=D, BH=HEAD_BLOCK, BN=BN, NP=g["NP"],
-                               NBUF=g["NBUF"], HAS_IDX=has_idx, HAS_RNG=has_rng, REDUCE_IDX=reduce_idx,
-                               num_warps=g["num_warps"])
-        elif "dkv" in passes:
+        if "dkv" in passes:
             _dkv_pass[grid](q, kv, idx_t, rng_t, out, dout, lse, delta, dkv, ds, K, NC, t0, q.stride(0), q.stride(1),
                             scale * LOG2E, scale, H=H, D=D, BH=HEAD_BLOCK, BN=BN, NP=c1["NP"], HAS_IDX=has_idx,
                             HAS_RNG=has_rng, USE_ASM=q.is_cuda, REDUCE_IDX=reduce_idx,
