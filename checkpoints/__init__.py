@@ -1,9 +1,11 @@
 """Checkpoints: torch.distributed.checkpoint saves under fixed keys, a JSON manifest, resume checks.
 
-Imports torch and ``v4launch.validators`` only. Layout and verdict table: docs/checkpoints.md.
+Imports ``v4launch.validators``; torch only when a name from dcp.py or stateful.py is first used,
+so listing checkpoints (``v4launch status``) stays fast. Layout and verdict table: docs/checkpoints.md.
 
     base.py      the contract: STATE_KEYS, Manifest, CheckpointStorage, param-group summaries
-    dcp.py       save_checkpoint / load_checkpoint / latest_checkpoint / prune (atomic, reshardable)
+    listing.py   is_complete / list_checkpoints / latest_checkpoint (filesystem only)
+    dcp.py       save_checkpoint / load_checkpoint / prune (atomic, reshardable)
     stateful.py  ModelState / OptimizerState: FQN-keyed Stateful wrappers for DCP
     compat.py    check_resume -> CompatReport (safe / reshard / refused + override flag)
 """
@@ -23,7 +25,21 @@ from .base import (
     summarize_param_groups,
 )
 from .compat import ALLOW_FLAGS, CompatItem, CompatReport, check_resume
-from .dcp import DCPStorage, is_complete, latest_checkpoint, list_checkpoints, load_checkpoint, prune, save_checkpoint, step_dir_name
-from .stateful import ModelState, OptimizerState
+from .listing import is_complete, latest_checkpoint, list_checkpoints, step_dir_name
+
+_LAZY = {"DCPStorage": "dcp", "load_checkpoint": "dcp", "prune": "dcp", "save_checkpoint": "dcp",
+         "ModelState": "stateful", "OptimizerState": "stateful"}  # these import torch
 
 __all__ = [n for n, v in dict(globals()).items() if not n.startswith("_") and not isinstance(v, type(__import__("sys")))]
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    """Load the torch-backed names on first use (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -23,11 +23,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from v4launch.validators.schema import Recipe
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: listing checkpoints must not load it
+    import torch
 
 STATE_KEYS: tuple[str, ...] = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "curriculum")
 """The only top-level keys a checkpoint holds (style guide "For v4launch" item 9)."""
@@ -91,6 +92,8 @@ def summarize_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimi
         unnamed tensors are called ``<unnamed>``.
     """
     names = {id(p): n for n, p in model.named_parameters()}
+    import torch
+
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     all_groups = [g for opt in optimizers for g in opt.param_groups]
     groups: dict[str, dict[str, Any]] = {}
@@ -166,7 +169,7 @@ class Manifest:
     parallel: Mapping[str, int]
     tokenizer: str
     model: Mapping[str, Any] = field(default_factory=dict)
-    torch_version: str = field(default_factory=lambda: torch.__version__)
+    torch_version: str = field(default_factory=lambda: __import__("torch").__version__)
     wall_time: float = field(default_factory=time.time)
     complete: bool = False
     format_version: int = FORMAT_VERSION

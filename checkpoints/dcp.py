@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -36,17 +35,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .base import MANIFEST_NAME, STATE_KEYS, CheckpointError, Manifest
+from .listing import is_complete, latest_checkpoint, list_checkpoints, step_dir_name
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
-METADATA_NAME = ".metadata"
-
-
-def step_dir_name(step: int) -> str:
-    """``step_{step:08d}``: the directory name of a complete checkpoint."""
-    return f"step_{step:08d}"
 
 
 def _distributed() -> bool:
@@ -96,32 +89,6 @@ def _write_manifest(directory: Path, manifest: Manifest) -> None:
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(directory)
-
-
-def is_complete(path: Path) -> bool:
-    """True if ``path`` is a ``step_*`` directory with DCP ``.metadata`` and a manifest whose ``complete`` is true."""
-    path = Path(path)
-    if not STEP_DIR.match(path.name) or not (path / METADATA_NAME).is_file():
-        return False
-    try:
-        return Manifest.read(path).complete
-    except CheckpointError:
-        return False
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints under ``ckpt_root``, oldest step first (incomplete and ``.tmp-*`` skipped)."""
-    root = Path(ckpt_root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and is_complete(p)]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``ckpt_root``, or None if there is none."""
-    found = list_checkpoints(ckpt_root)
-    return found[-1] if found else None
 
 
 def _clean_tmp(root: Path) -> None:

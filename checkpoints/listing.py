@@ -1,0 +1,48 @@
+"""Which checkpoints a run has, from the filesystem alone (no torch): ``v4launch status`` and the
+launchers list checkpoints in well under a second.
+
+A complete checkpoint is a ``step_{step:08d}`` directory holding DCP's ``.metadata`` and a
+``manifest.json`` whose ``complete`` is true (``dcp.save_checkpoint`` writes both, then renames the
+directory into place). Layout: docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .base import CheckpointError, Manifest
+
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+METADATA_NAME = ".metadata"
+
+
+def step_dir_name(step: int) -> str:
+    """``step_{step:08d}``: the directory name of a complete checkpoint."""
+    return f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    """True if ``path`` is a ``step_*`` directory with DCP ``.metadata`` and a manifest whose ``complete`` is true."""
+    path = Path(path)
+    if not STEP_DIR.match(path.name) or not (path / METADATA_NAME).is_file():
+        return False
+    try:
+        return Manifest.read(path).complete
+    except CheckpointError:
+        return False
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints under ``ckpt_root``, oldest step first (incomplete and ``.tmp-*`` skipped)."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and is_complete(p)]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``ckpt_root``, or None if there is none."""
+    found = list_checkpoints(ckpt_root)
+    return found[-1] if found else None
