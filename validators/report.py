@@ -101,6 +101,15 @@ class Report:
         }
 
 
+def _set_at(rule: Rule, field: str, source_of: Callable[[str], str]) -> str:
+    """Where the finding's field was set, plus any override of another field the rule reads: a
+    finding reported on ``cluster.gpus_per_node`` but caused by ``--nodes 3`` names that override."""
+    own = source_of(field)
+    others = [source_of(f) for f in rule.fields if "*" not in f and f != field]
+    extra = sorted({src for src in others if src.startswith("override") and src != own})
+    return own if not extra else f"{own}; {'; '.join(extra)}"
+
+
 def _run(rule: Rule, ctx: Context, source_of: Callable[[str], str]) -> RuleResult:
     """Evaluate one rule; a crash inside a rule is reported as a failure, never raised."""
     stage = ctx.stage.name if ctx.stage else None
@@ -116,7 +125,8 @@ def _run(rule: Rule, ctx: Context, source_of: Callable[[str], str]) -> RuleResul
     if not findings:
         return RuleResult(rule.id, "pass")
     violations = tuple(
-        Violation(rule.id, rule.severity, stage, f.field, f.value, source_of(f.field), f.message, f.fix or rule.fix)
+        Violation(rule.id, rule.severity, stage, f.field, f.value, _set_at(rule, f.field, source_of), f.message,
+                  f.fix or rule.fix)
         for f in findings
     )
     first = violations[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,20 @@ def test_missing_run_directory_says_what_is_missing(in_tmp: Path):
     (in_tmp / "runs" / "empty").mkdir()
     code, _, err, _ = invoke(["status", "runs/empty"])
     assert code == 2 and "(it has no run.json)" in err
+
+
+def test_set_at_names_the_override_that_caused_a_finding_on_another_field(in_tmp: Path):
+    """--nodes 3 makes DP 6: the EP fold and batch findings sit on parallel.ep / the global batch, whose
+    recipe lines did not change; "set at" must also name the override that broke them."""
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "cluster.nodes=3", "--json"])
+    data = json.loads(out)
+    found = {v["rule_id"]: v for v in data["violations"]}
+    assert code == 1 and {"V4-EP-FOLD", "V4-BATCH"} <= set(found)
+    for rule_id in ("V4-EP-FOLD", "V4-BATCH"):
+        own, *extra = found[rule_id]["source"].split("; ")
+        assert re.fullmatch(r".+\.yaml:\d+", own), own
+        assert extra == ["override cluster.nodes=3"], found[rule_id]["source"]
+    # a finding on the overridden field itself names it once
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.ep=7", "--json"])
+    v = next(v for v in json.loads(out)["violations"] if v["rule_id"] == "V4-EP-EXPERTS")
+    assert v["source"] == "override parallel.ep=7"

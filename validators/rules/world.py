@@ -50,7 +50,8 @@ def check_ep_fold(ctx: Context):
     return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
 
 
-@rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size"),
+@rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size",
+                           "cluster.nodes", "cluster.gpus_per_node"),
       fix="make the global batch a multiple of micro_batch_size·dp")
 def check_batch(ctx: Context):
     """The global batch is divisible by micro batch × DP (a whole number of micro-batches per rank).
