@@ -138,6 +138,9 @@ def test_checkpoint_at_cp1_dp2_resumes_at_cp2_through_reshard_bitwise(new_run, s
     last = json.loads((run / "checkpoints" / "step_00000009" / "manifest.json").read_text())
     assert (last["parallel"]["dp"], last["parallel"]["cp"]) == (1, 2)
     assert losses(train_records(run)) == losses(recs)
+    # the resumed process logs the change from the checkpoint's layout, once
+    layout = _events(run, "layout")
+    assert [(e["dp"], e["cp"], e["step"], e["resharded"]) for e in layout] == [(1, 2, 6, True)]
 
 
 @pytest.mark.slow
@@ -149,6 +152,9 @@ def test_two_process_stop_inside_the_cp_stage_resumes_bitwise(new_run, switch_re
     assert LocalLauncher().launch(run, progress=False).result.status == "completed"
     recs = train_records(run)
     assert losses(recs) == losses(train_records(switch_reference))
+    # one real change (at the stage boundary, inside the second process); resuming inside the CP stage
+    # from a dp 1 x cp 2 checkpoint is no change and logs none
+    assert [(e["dp"], e["cp"], e["step"], e["resharded"]) for e in _events(run, "layout")] == [(1, 2, 6, False)]
     steps = [recs[s]["tokens"] - recs.get(s - 1, {"tokens": 0})["tokens"] for s in sorted(recs)]
     assert all(0 < t <= 2 * 64 for t in steps[:6]) and all(2 * 128 < t <= 2 * 256 for t in steps[6:]), steps
 

@@ -46,6 +46,7 @@ class Runner:
         self.loader_stage = -1
         self.last_saved: tuple[int, Path] | None = None
         self.resumed_from: Path | None = None
+        self.saved_layout: tuple[int, int] | None = None  # (dp, cp) the loaded checkpoint was written at
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
         if ckpt is None:
@@ -113,6 +114,8 @@ class Runner:
         blob = states["dataloader"]["state"]
         self._saved_loader = pickle.loads(blob) if blob else None
         self.resumed_from = path
+        par = manifest.parallel
+        self.saved_layout = (par["dp"], par["cp"]) if "dp" in par and "cp" in par else None
         self.last_saved = (self.progress.step, path)
 
     def _apply_request(self, request: dict | None) -> None:
@@ -148,15 +151,23 @@ class Runner:
         self.batches = iter(self.loader)
 
     def _set_layout(self, plan: StagePlan) -> None:
-        """The stage's ``[dp][cp]`` layout; the model gets the stage's CP hooks (same parameters)."""
+        """The stage's ``[dp][cp]`` layout; the model gets the stage's CP hooks (same parameters). The
+        ``layout`` event compares with the layout the run last trained at: the previous stage's, or on
+        the first stage after a resume the one the checkpoint was written at."""
         old = self.layout
         self.layout = self.groups.layout(plan.cp)
         self.model.cp = self.layout.hooks
-        if (old.dp, old.cp) != (self.layout.dp, self.layout.cp):
+        new = (self.layout.dp, self.layout.cp)
+        after_resume = self.loader is None and self.saved_layout is not None
+        before = self.saved_layout if after_resume else (old.dp, old.cp)
+        if before != new:
             step = self.progress.step
-            self.metrics.event(step, "layout", f"stage {plan.name}: {old.describe()} -> {self.layout.describe()} "
+            was = f"dp {before[0]} x cp {before[1]}" + (f" (checkpoint {self.resumed_from.name})" if after_resume
+                                                      else "")
+            self.metrics.event(step, "layout", f"stage {plan.name}: {was} -> {self.layout.describe()} "
                                f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
-                               f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp)
+                               f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp,
+                               resharded=after_resume)
 
     def _set_kernels(self, plan: StagePlan) -> None:
         """The stage's attention kernels; the log says which backend this device actually runs and why."""
