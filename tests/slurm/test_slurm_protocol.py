@@ -25,8 +25,11 @@ def test_time_limit_checkpoints_requeues_and_finishes(workspace):
                                    "slurm.signal_delay_s=30", "slurm.max_restarts=10"])
     wait_for("the run to finish", lambda: finished(run_dir), 420, run_dir)
     assert events(run_dir, "completed"), diagnostics(run_dir)
+    # Some requeue is a checkpointed time-limit stop. Not necessarily the first: on a loaded machine the
+    # job's start-up can outlast the 30 s before USR2 (Slurm counts from the allocation), and a signal
+    # that lands before training starts is requeued by submitit with nothing to save.
     requeues = events(run_dir, "requeue")
-    assert requeues and "time limit (USR2)" in requeues[0]["detail"], diagnostics(run_dir)
+    assert any("time limit (USR2)" in r["detail"] for r in requeues), diagnostics(run_dir)
     steps = _steps(run_dir)
     assert sorted(set(steps)) == list(range(1, 105))  # nothing skipped
     for stop in events(run_dir, "signal"):  # checkpointed at the stop: nothing lost, nothing repeated
