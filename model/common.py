@@ -70,14 +70,51 @@ class RMSNorm(nn.Module):
         return (self.weight.to(acc) * y).to(x.dtype)
 
 
+RMS_CHUNK_ROWS = 1 << 20  # vectors per chunk: a 2 GiB float32 transient at d = 512
+
+
+class _RMSUnweighted(torch.autograd.Function):
+    """y = x * r, r = rsqrt(mean(x^2) + eps) per vector, computed in the accumulation dtype in
+    chunks of vectors. Saves x and r ([..., 1]) only: the query norm of a 128K-token CSA layer
+    would otherwise hold float32 copies of [T, H, D] (16 GiB each) for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        acc = acc_dtype(x.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.empty_like(flat)
+        r = torch.empty(flat.shape[0], 1, dtype=acc, device=x.device)
+        for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
+            xf = flat[i:i + RMS_CHUNK_ROWS].to(acc)
+            r[i:i + RMS_CHUNK_ROWS] = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+            y[i:i + RMS_CHUNK_ROWS] = (xf * r[i:i + RMS_CHUNK_ROWS]).to(x.dtype)
+        ctx.save_for_backward(flat, r)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        flat, r = ctx.saved_tensors
+        acc = r.dtype
+        dy = dy.reshape(flat.shape)
+        dx = torch.empty_like(flat)
+        for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
+            rc = r[i:i + RMS_CHUNK_ROWS]
+            yf = flat[i:i + RMS_CHUNK_ROWS].to(acc) * rc
+            g = dy[i:i + RMS_CHUNK_ROWS].to(acc)
+            # d/dx (x r) = r (g - y mean(g y)): the rsqrt's derivative folded into the mean term
+            dx[i:i + RMS_CHUNK_ROWS] = (rc * (g - yf * (g * yf).mean(-1, keepdim=True))).to(flat.dtype)
+        return dx.view(ctx.shape), None
+
+
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-vector RMS normalisation without a weight, in the accumulation dtype, cast back.
 
-    Used for the per-head query norm (spec §2 query path step 3). [..., d] -> [..., d].
+    Used for the per-head query norm (spec §2 query path step 3). [..., d] -> [..., d], x's dtype.
+    Memory: x and one accumulation-dtype scalar per vector are kept for the backward (see
+    ``_RMSUnweighted``); float32 temporaries are bounded by ``RMS_CHUNK_ROWS`` vectors.
     """
-    acc = acc_dtype(x.dtype)
-    xf = x.to(acc)
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return _RMSUnweighted.apply(x, eps)
 
 
 def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
