@@ -125,7 +125,12 @@ class Layout:
 
     def describe(self) -> str:
         """``dp 2 x cp 1`` (for log lines)."""
-        return f"dp {self.dp} x cp {self.cp}"
+        return describe_layout(self.dp, self.cp)
+
+
+def describe_layout(dp: int, cp: int) -> str:
+    """``dp 2 x cp 1``: a rank layout in log lines (a live ``Layout`` or one read from a manifest)."""
+    return f"dp {dp} x cp {cp}"
 
 
 class Groups:

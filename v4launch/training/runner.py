@@ -16,7 +16,7 @@ from ..errors import RefusedError
 from ..model import V4Model
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
-from .dist import DistInfo, Groups, Layout, any_rank
+from .dist import DistInfo, Groups, Layout, any_rank, describe_layout
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
@@ -162,8 +162,7 @@ class Runner:
         before = self.saved_layout if after_resume else (old.dp, old.cp)
         if before != new:
             step = self.progress.step
-            was = f"dp {before[0]} x cp {before[1]}" + (f" (checkpoint {self.resumed_from.name})" if after_resume
-                                                      else "")
+            was = describe_layout(*before) + (f" (checkpoint {self.resumed_from.name})" if after_resume else "")
             self.metrics.event(step, "layout", f"stage {plan.name}: {was} -> {self.layout.describe()} "
                                f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
                                f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp,
