@@ -173,3 +173,25 @@ def test_resume_of_a_completed_run_starts_nothing(new_run):
     # more steps through an override: then there is something to resume
     code, text = _cli("resume", str(run), "curriculum.stages.2.steps=3", "--dry-run")
     assert code == 0 and "has completed" not in text and "dry run" in text
+
+
+def test_checkpoint_option_rolls_back_and_sets_the_newer_ones_aside(new_run):
+    from v4launch.checkpoints import list_checkpoints
+
+    run = new_run()
+    train(run, max_steps=4, progress=False)  # checkpoints at step 3 (end of dense) and 4 (the stop)
+    ckpts = run / "checkpoints"
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000003", "step_00000004"]
+    code, text = _cli("resume", str(run), "--checkpoint", "2", "--dry-run")
+    assert code == 1 and "not a complete checkpoint" in text and "step_00000003, step_00000004" in text
+    code, text = _cli("resume", str(run), "--checkpoint", "3", "--dry-run", "--json")
+    report = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    assert code == 0 and report["checkpoint"].endswith("step_00000003") and report["set_aside"] == ["step_00000004"]
+    assert (ckpts / "step_00000004").is_dir()  # a dry run moves nothing
+    code, text = _cli("resume", str(run), "--checkpoint", "step_00000003")
+    assert code == 0, text
+    assert (ckpts / "abandoned-step_00000004").is_dir() and "set aside abandoned-step_00000004" in text
+    assert latest_checkpoint(ckpts).name == "step_00000008"  # 3 kept, then steps 4..8 trained again
+    step4 = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train" and r["step"] == 4]
+    assert len(step4) == 2 and step4[0]["lm_loss"] == step4[1]["lm_loss"]  # the replayed step is bitwise the same

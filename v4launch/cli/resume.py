@@ -9,7 +9,7 @@ import typer
 
 from .common import OUT, JsonOpt, OverridesArg
 
-HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint. The checkpoint's "
+HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint (or --checkpoint). The checkpoint's "
         "manifest is compared with the recipe (the run's frozen one, or --recipe / overrides, then re-frozen "
         "into the run) and the requested stage or phase; every aspect is safe, reshard or refused with the "
         "--allow-* flag that overrides it. Refused: exit 1. Otherwise writes resume.json and relaunches on "
@@ -23,6 +23,8 @@ EXAMPLES = """Examples:
   v4launch resume RUN --recipe recipes/tiny_cpu.yaml cluster.gpus_per_node=2 --dry-run
 
   v4launch resume RUN --stage 0 --allow-phase-regression
+
+  v4launch resume RUN --checkpoint 120 --dry-run     # roll back to step 120 (newer ones set aside)
 """
 
 RunArg = Annotated[str | None, typer.Argument(help="Run directory; default: the workspace's newest run.",
@@ -35,6 +37,10 @@ StageOpt = Annotated[str | None, typer.Option("--stage", help="Continue at this 
 RecipeOpt = Annotated[Path | None, typer.Option("--recipe", help="New recipe for the rest of the run (re-frozen).",
                                                 show_default=False)]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the compatibility report; launch nothing.")]
+CheckpointOpt = Annotated[str | None, typer.Option(
+    "--checkpoint", help="Resume from this checkpoint (a step, or a step_* directory) instead of the latest; the "
+                         "complete checkpoints after it are renamed abandoned-step_* before the relaunch.",
+    show_default=False)]
 
 
 def _flag(name: str, what: str):
@@ -51,7 +57,8 @@ AllowCold = _flag("--allow-cold-indexer", "Accept sparse attention with an index
 def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt = None, stage: StageOpt = None,
            recipe: RecipeOpt = None, allow_layer_change: AllowLayer = False, allow_phase_regression: AllowPhase = False,
            allow_optimizer_regroup: AllowRegroup = False, allow_tokenizer_change: AllowTokenizer = False,
-           allow_cold_indexer: AllowCold = False, dry_run: DryRunOpt = False, json_out: JsonOpt = False) -> None:
+           allow_cold_indexer: AllowCold = False, checkpoint: CheckpointOpt = None, dry_run: DryRunOpt = False,
+           json_out: JsonOpt = False) -> None:
     """Check, then relaunch (or only report with --dry-run)."""
     from ..launchers import launcher_for
     from ..rundir import load_run, refreeze_recipe, write_resume_request
@@ -76,7 +83,8 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     flags = {"--allow-layer-change": allow_layer_change, "--allow-phase-regression": allow_phase_regression,
              "--allow-optimizer-regroup": allow_optimizer_regroup, "--allow-tokenizer-change": allow_tokenizer_change,
              "--allow-cold-indexer": allow_cold_indexer}
-    plan = plan_resume(info.paths.root, loaded, stage=stage, phase=phase, allow=tuple(f for f, on in flags.items() if on))
+    plan = plan_resume(info.paths.root, loaded, stage=stage, phase=phase, allow=tuple(f for f, on in flags.items() if on),
+                       checkpoint=checkpoint)
     _show(plan, json_out)
     if not plan.report.ok:
         raise refusal(plan)
@@ -92,6 +100,11 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
         return
     launcher = launcher_for(info.paths.root)
     launcher.ensure_idle(info.paths.root)  # a refused resume writes nothing
+    if plan.newer:
+        from ..training.resume import set_aside
+
+        for dest in set_aside(plan.newer):
+            OUT.note(f"set aside {dest.name} (after the checkpoint resumed from)")
     if changed:
         refreeze_recipe(info.paths.root, loaded)
     write_resume_request(info.paths.root, plan.request())
@@ -111,8 +124,12 @@ def _show(plan, json_out: bool) -> None:
     where = f"stage #{plan.stage_index} {plan.stage_name} ({plan.phase})"
     if json_out:
         OUT.json({"run_dir": str(plan.run_dir), "checkpoint": str(plan.checkpoint), "target": where,
-                  **plan.report.to_dict()})
+                  "set_aside": [p.name for p in plan.newer], **plan.report.to_dict()})
         return
     OUT.console.print(f"checkpoint {plan.checkpoint} (step {plan.manifest.step}, stage {plan.manifest.stage_name}, "
                       f"phase {plan.manifest.phase}) → {where}")
+    if plan.newer:
+        OUT.console.print(f"rolls back past {len(plan.newer)} newer checkpoint(s) ("
+                          + ", ".join(p.name for p in plan.newer) + "): renamed abandoned-step_* before the relaunch",
+                          markup=False)
     OUT.console.print(plan.report.render())

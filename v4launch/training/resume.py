@@ -39,6 +39,7 @@ class ResumePlan:
     explicit_stage: bool
     report: Any  # checkpoints.CompatReport
     allow: tuple[str, ...]
+    newer: tuple[Path, ...] = ()  # complete checkpoints after ``checkpoint``: set aside before a rollback launches
 
     def request(self) -> dict[str, Any]:
         """The resume.json payload."""
@@ -113,23 +114,66 @@ def param_groups_for(recipe: Any, phase: str, manifest: Any, same_recipe: bool) 
     return {g: describe_params(named) for g, named in groups.items()}
 
 
+def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, tuple[Path, ...]]:
+    """The checkpoint a resume loads and the complete checkpoints newer than it.
+
+    ``which``: None (the latest complete one), a step (``120``), or a checkpoint directory
+    (``step_00000120`` under ``ckpt_root``, or a path). Raises RefusedError when there is no complete
+    checkpoint, or ``which`` names none (the message lists the complete ones).
+    """
+    from ..checkpoints import is_complete, list_checkpoints, step_dir_name
+    from ..checkpoints.listing import STEP_DIR
+
+    root = Path(ckpt_root)
+    complete = list_checkpoints(root)
+    if not complete:
+        raise RefusedError(f"run {root.parent.name} has no complete checkpoint to resume from",
+                           hint="start it again with `v4launch run` or relaunch: the job starts from step 0")
+    if which is None:
+        return complete[-1], ()
+    path = root / step_dir_name(int(which)) if which.isdigit() else Path(which)
+    if not path.is_absolute() and not path.exists():
+        path = root / which
+    if not is_complete(path):
+        raise RefusedError(f"--checkpoint {which}: {path} is not a complete checkpoint of this run",
+                           hint="complete checkpoints (step): " + ", ".join(p.name for p in complete))
+    path = path.resolve()
+    if path.parent != root.resolve():
+        raise RefusedError(f"--checkpoint {which}: {path} is not under this run's checkpoints ({root})",
+                           hint="pick one of: " + ", ".join(p.name for p in complete))
+    step = int(STEP_DIR.match(path.name).group(1))
+    return path, tuple(p for p in complete if int(STEP_DIR.match(p.name).group(1)) > step)
+
+
+def set_aside(newer: tuple[Path, ...]) -> list[Path]:
+    """Rename checkpoints a rollback leaves behind to ``abandoned-<name>[-k]`` (never a ``step_*`` name,
+    so no later resume or ``status`` takes them for the latest); returns the new paths."""
+    moved = []
+    for p in newer:
+        dest, k = p.with_name(f"abandoned-{p.name}"), 1
+        while dest.exists():
+            dest, k = p.with_name(f"abandoned-{p.name}-{k}"), k + 1
+        p.rename(dest)
+        moved.append(dest)
+    return moved
+
+
 def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: str | None = None,
-                allow: tuple[str, ...] = ()) -> ResumePlan:
-    """Check a resume of ``run_dir`` with recipe ``loaded`` (the frozen one or a new one).
+                allow: tuple[str, ...] = (), checkpoint: str | None = None) -> ResumePlan:
+    """Check a resume of ``run_dir`` with recipe ``loaded`` (the frozen one or a new one), from its
+    latest complete checkpoint or the one ``checkpoint`` names (:func:`choose_checkpoint`; the
+    newer ones are listed in ``ResumePlan.newer``).
 
     Raises:
-        RefusedError: the run has no complete checkpoint.
+        RefusedError: the run has no complete checkpoint, or ``checkpoint`` names none.
         UsageError: an unknown stage / phase.
     """
-    from ..checkpoints import Manifest, check_resume, latest_checkpoint
+    from ..checkpoints import Manifest, check_resume
     from ..checkpoints.base import recipe_hash
     from ..data.tokenizer import get_tokenizer
     from ..rundir import RunPaths
 
-    ckpt = latest_checkpoint(RunPaths(Path(run_dir)).checkpoints)
-    if ckpt is None:
-        raise RefusedError(f"run {Path(run_dir).name} has no complete checkpoint to resume from",
-                           hint=f"start it again with `v4launch run` or relaunch: the job starts from step 0")
+    ckpt, newer = choose_checkpoint(RunPaths(Path(run_dir)).checkpoints, checkpoint)
     manifest = Manifest.read(ckpt)
     recipe = loaded.recipe
     idx, explicit = target_stage(recipe, manifest, stage=stage, phase=phase)
@@ -149,7 +193,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
         raise UsageError(str(exc), hint="see `v4launch resume --help`") from None
     return ResumePlan(run_dir=Path(run_dir), checkpoint=ckpt, manifest=manifest, stage_index=idx,
                       stage_name=recipe.curriculum.stages[idx].name, phase=target_phase, explicit_stage=explicit,
-                      report=report, allow=tuple(allow))
+                      report=report, allow=tuple(allow), newer=newer)
 
 
 def refusal(plan: ResumePlan) -> RefusedError:
