@@ -172,12 +172,13 @@ def load_checkpoint(path: Path, states: dict[str, Any]) -> Manifest:
             dcp.load(states, storage_reader=dcp.FileSystemReader(str(path)), no_dist=not _distributed())
     except (CheckpointException, OSError, EOFError) as exc:  # DCP's exception derives from BaseException
         older = [p for p in list_checkpoints(path.parent) if p != path]
-        fallback = f"the newest other one is {older[-1].name}" if older else "no other complete checkpoint exists"
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        hint = (f"resume from another complete checkpoint, e.g. `v4launch resume {path.parent.parent} --checkpoint "
+                f"{older[-1].name}` (the ones after the checkpoint you pick are set aside)" if older else
+                f"no other complete checkpoint exists; move it aside (`mv '{path}' "
+                f"'{path.parent}/damaged-{path.name}'`) and start the run again")
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({first}); its shard files are damaged or incomplete",
-            hint=f"move it aside (e.g. `mv '{path}' '{path.parent}/damaged-{path.name}'`) and resume again: "
-                 f"{fallback}",
+            f"checkpoint {path} cannot be read ({first}); its shard files are damaged or incomplete", hint=hint,
         ) from None
     return manifest
 

@@ -107,7 +107,15 @@ def test_damaged_shard_is_a_clear_error_naming_the_fallback(tmp_path, recipe):
     model2, opt2, sched2 = build(1)
     with pytest.raises(CheckpointError, match="cannot be read") as info:
         load_checkpoint(path, states(model2, opt2, sched2, Counter(), 0))
-    assert "step_00000001" in info.value.hint and "mv " in info.value.hint
+    assert "--checkpoint step_00000001" in info.value.hint  # the older complete one, through resume
+    only = tmp_path / "alone"
+    train_step(model, opt, sched)
+    lone = save_checkpoint(only, 3, states(model, opt, sched, Counter(3), 3),
+                           manifest_for(recipe, 1, param_groups=summarize_param_groups(model, opt), step=3))
+    (lone / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="cannot be read") as info:
+        load_checkpoint(lone, states(model2, opt2, sched2, Counter(), 0))
+    assert "no other complete checkpoint" in info.value.hint and "mv " in info.value.hint
 
 
 def test_keep_last_prunes_only_complete_older_ones(tmp_path, recipe):
