@@ -183,7 +183,9 @@ def test_checkpoint_option_rolls_back_and_sets_the_newer_ones_aside(new_run):
     ckpts = run / "checkpoints"
     assert [p.name for p in list_checkpoints(ckpts)] == ["step_00000003", "step_00000004"]
     code, text = _cli("resume", str(run), "--checkpoint", "2", "--dry-run")
-    assert code == 1 and "not a complete checkpoint" in text and "step_00000003, step_00000004" in text
+    assert code == 2 and "not a complete checkpoint" in text and "step_00000003, step_00000004" in text
+    code, text = _cli("resume", str(run), "--checkpoint", " ", "--dry-run")
+    assert code == 2 and "--checkpoint is empty" in text and "a step (e.g. 120)" in text
     code, text = _cli("resume", str(run), "--checkpoint", "3", "--dry-run", "--json")
     report = json.loads(text[text.index("{"):text.rindex("}") + 1])
     assert code == 0 and report["checkpoint"].endswith("step_00000003") and report["set_aside"] == ["step_00000004"]
@@ -191,7 +193,28 @@ def test_checkpoint_option_rolls_back_and_sets_the_newer_ones_aside(new_run):
     code, text = _cli("resume", str(run), "--checkpoint", "step_00000003")
     assert code == 0, text
     assert (ckpts / "abandoned-step_00000004").is_dir() and "set aside abandoned-step_00000004" in text
+    transitions = next(line for line in text.splitlines() if line.startswith("transitions: "))
+    assert transitions.count("dense -> warmup at step 3") == 1, transitions  # the abandoned history is not summarised
     assert latest_checkpoint(ckpts).name == "step_00000008"  # 3 kept, then steps 4..8 trained again
+    code, text = _cli("resume", str(run), "--checkpoint", "abandoned-step_00000004", "--dry-run")
+    assert code == 2 and "set aside by an earlier rollback" in text and "rename it back to step_00000004" in text
     step4 = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train" and r["step"] == 4]
     assert len(step4) == 2 and step4[0]["lm_loss"] == step4[1]["lm_loss"]  # the replayed step is bitwise the same
+
+
+def test_summary_timeline_drops_what_a_resume_replays():
+    from v4launch.cli.run import current_timeline
+
+    def ev(step, name):
+        return {"kind": "event", "event": name, "step": step}
+
+    recs = [ev(0, "start"), *({"kind": "train", "step": s} for s in (1, 2, 3)), {"kind": "eval", "step": 3},
+            ev(3, "checkpoint"), ev(3, "phase"), {"kind": "train", "step": 4}, {"kind": "train", "step": 5},
+            ev(5, "checkpoint"),
+            ev(3, "start"), ev(3, "phase"), {"kind": "train", "step": 4}]  # rolled back to step 3
+    kept = current_timeline(recs)
+    assert [(r["kind"], r.get("event"), r["step"]) for r in kept] == [
+        ("event", "start", 0), ("train", None, 1), ("train", None, 2), ("train", None, 3), ("eval", None, 3),
+        ("event", "checkpoint", 3), ("event", "start", 3), ("event", "phase", 3), ("train", None, 4)]
+    assert current_timeline(recs[:9]) == recs[:9]  # no resume: everything

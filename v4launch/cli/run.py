@@ -102,9 +102,25 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def current_timeline(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run's current history. A ``start`` event at step s (a resume from the
+    checkpoint of step s) supersedes what earlier attempts logged after that checkpoint: train and
+    eval records past s, and events from s on other than checkpoints and starts (a rollback with
+    ``resume --checkpoint``, or steps a crashed attempt ran past its last checkpoint, are replayed)."""
+    out: list[dict[str, Any]] = []
+    for r in recs:
+        if r.get("kind") == "event" and r.get("event") == "start" and out:
+            s = r.get("step", 0)
+            out = [x for x in out if not (x.get("step", 0) > s or (
+                x.get("kind") == "event" and x.get("step", 0) == s and x.get("event") not in ("checkpoint", "start")))]
+        out.append(r)
+    return out
+
+
 def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> None:
-    """Final LM loss vs the unigram entropy, phase transitions, checkpoint and metrics paths."""
-    recs = read_metrics(run_dir)
+    """Final LM loss vs the unigram entropy, phase transitions, checkpoint and metrics paths, over the
+    run's current history (:func:`current_timeline`)."""
+    recs = current_timeline(read_metrics(run_dir))
     train = [r for r in recs if r.get("kind") == "train"]
     evals = [r for r in recs if r.get("kind") == "eval"]
     phases = [r for r in recs if r.get("kind") == "event" and r.get("event") == "phase"]

@@ -45,6 +45,7 @@ class ResumePlan:
         """The resume.json payload."""
         return {"checkpoint": str(self.checkpoint), "stage_index": self.stage_index if self.explicit_stage else None,
                 "stage": self.stage_name, "phase": self.phase, "allow": list(self.allow),
+                "set_aside": [p.name for p in self.newer],
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "report": self.report.to_dict()}
 
@@ -119,7 +120,7 @@ def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, 
 
     ``which``: None (the latest complete one), a step (``120``), or a checkpoint directory
     (``step_00000120`` under ``ckpt_root``, or a path). Raises RefusedError when there is no complete
-    checkpoint, or ``which`` names none (the message lists the complete ones).
+    checkpoint, UsageError when ``which`` names none (the hint lists the complete ones).
     """
     from ..checkpoints import is_complete, list_checkpoints, step_dir_name
     from ..checkpoints.listing import STEP_DIR
@@ -131,16 +132,25 @@ def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, 
                            hint="start it again with `v4launch run` or relaunch: the job starts from step 0")
     if which is None:
         return complete[-1], ()
-    path = root / step_dir_name(int(which)) if which.isdigit() else Path(which)
-    if not path.is_absolute() and not path.exists():
-        path = root / which
+    forms = "a step (e.g. 120) or a complete checkpoint directory: " + ", ".join(p.name for p in complete)
+    which = which.strip()
+    if not which:
+        raise UsageError("--checkpoint is empty", hint=f"give {forms}")
+    if which.isdigit():
+        path = root / step_dir_name(int(which))
+    else:
+        path = Path(which) if ("/" in which or Path(which).exists()) else root / which  # a bare name: this run's
+    if path.name.startswith("abandoned-"):
+        raise UsageError(f"--checkpoint {which}: {path.name} was set aside by an earlier rollback",
+                         hint=f"rename it back to {path.name.removeprefix('abandoned-').split('-')[0]} to use it, "
+                              f"or give {forms}")
     if not is_complete(path):
-        raise RefusedError(f"--checkpoint {which}: {path} is not a complete checkpoint of this run",
-                           hint="complete checkpoints (step): " + ", ".join(p.name for p in complete))
+        raise UsageError(f"--checkpoint {which}: {path} is not a complete checkpoint of this run",
+                         hint=f"give {forms}")
     path = path.resolve()
     if path.parent != root.resolve():
-        raise RefusedError(f"--checkpoint {which}: {path} is not under this run's checkpoints ({root})",
-                           hint="pick one of: " + ", ".join(p.name for p in complete))
+        raise UsageError(f"--checkpoint {which}: {path} is not under this run's checkpoints ({root})",
+                         hint=f"give {forms}")
     step = int(STEP_DIR.match(path.name).group(1))
     return path, tuple(p for p in complete if int(STEP_DIR.match(p.name).group(1)) > step)
 
@@ -165,8 +175,8 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     newer ones are listed in ``ResumePlan.newer``).
 
     Raises:
-        RefusedError: the run has no complete checkpoint, or ``checkpoint`` names none.
-        UsageError: an unknown stage / phase.
+        RefusedError: the run has no complete checkpoint.
+        UsageError: an unknown stage / phase, or ``checkpoint`` names no complete checkpoint of the run.
     """
     from ..checkpoints import Manifest, check_resume
     from ..checkpoints.base import recipe_hash
