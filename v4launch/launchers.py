@@ -120,6 +120,20 @@ def last_metrics(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
+def _sigterm_as_interrupt() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt in this (main) thread; returns the previous handler, or None
+    when signals cannot be handled here (not the main thread)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
 def latest_checkpoint_path(run_dir: Path) -> Path | None:
     """Latest complete checkpoint of the run (None if none or the checkpoints package is missing)."""
     try:
@@ -237,12 +251,18 @@ class LocalLauncher(Launcher):
                                           stdout=out, stderr=subprocess.STDOUT))
         record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[p.pid for p in procs], world_size=world,
                       result=None)
+        previous = _sigterm_as_interrupt()  # `kill` of this process stops the workers like Ctrl-C does
         try:
             codes = self._wait_echoing(procs, rank0_out, echo_from)
         except KeyboardInterrupt:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
             for p in procs:
                 p.send_signal(signal.SIGTERM)
             codes = [p.wait() for p in procs]
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         result_file = logs / "result.rank0.json"
         if any(codes) or not result_file.is_file():
             record_launch(run_dir, state="failed", exit_codes=codes)

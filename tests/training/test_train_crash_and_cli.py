@@ -134,9 +134,11 @@ def test_resume_refused_while_the_run_is_live_writes_nothing(stopped_run):
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_recipe):
-    """A real SIGINT to `v4launch run`: the step finishes, a checkpoint is saved, the exit code is
-    130 (not 0: the curriculum did not end) and the message says how to continue."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_recipe, signame):
+    """A real SIGINT (Ctrl-C) or SIGTERM (`kill`) to `v4launch run`: the workers finish the step and
+    save a checkpoint, the exit code is 130 (not 0: the curriculum did not end), the message says how
+    to continue, and no worker is left running."""
     import os
     import signal
     import time
@@ -151,7 +153,7 @@ def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_r
     for line in proc.stdout:  # wait until training steps are being logged
         if " step 3/" in line or time.monotonic() > deadline:
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, (out[-2000:], err[-2000:])
     text = " ".join((out + err).split())
@@ -159,6 +161,10 @@ def test_ctrl_c_saves_and_exits_130_naming_the_resume_command(workspace, write_r
     run_dir = next((workspace / "runs").iterdir())
     ckpt = latest_checkpoint(run_dir / "checkpoints")
     assert ckpt is not None and 3 <= int(ckpt.name.split("_")[1]) < 5000
+    launch = json.loads((run_dir / "launch.json").read_text())
+    for pid in launch["pids"]:  # the workers exited (the launcher waited for them)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_resume_of_a_completed_run_starts_nothing(new_run):
