@@ -22,6 +22,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step a ``step_*`` directory name records (``step_00000120`` -> 120), else None."""
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def is_complete(path: Path) -> bool:
     """True if ``path`` is a ``step_*`` directory with DCP ``.metadata`` and a manifest whose ``complete`` is true."""
     path = Path(path)
@@ -38,7 +44,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and is_complete(p)]
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if is_complete(p)]
     return [p for _, p in sorted(found)]
 
 

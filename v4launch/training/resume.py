@@ -123,7 +123,7 @@ def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, 
     checkpoint, UsageError when ``which`` names none (the hint lists the complete ones).
     """
     from ..checkpoints import is_complete, list_checkpoints, step_dir_name
-    from ..checkpoints.listing import STEP_DIR
+    from ..checkpoints.listing import checkpoint_step
 
     root = Path(ckpt_root)
     complete = list_checkpoints(root)
@@ -151,8 +151,7 @@ def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, 
     if path.parent != root.resolve():
         raise UsageError(f"--checkpoint {which}: {path} is not under this run's checkpoints ({root})",
                          hint=f"give {forms}")
-    step = int(STEP_DIR.match(path.name).group(1))
-    return path, tuple(p for p in complete if int(STEP_DIR.match(p.name).group(1)) > step)
+    return path, tuple(p for p in complete if checkpoint_step(p) > checkpoint_step(path))
 
 
 def set_aside(newer: tuple[Path, ...]) -> list[Path]:
