@@ -365,33 +365,36 @@ def sweep(T=32768, H=64, D=512):
 
 
 def bwd_breakdown(sizes, peak, reps=3, H=64, D=512):
-    """Where the two-pass backward's time goes on CSA-shaped problems: the whole backward, pass 1
-    alone, pass 1 without the dKV reductions of the index (top-k) tiles, pass 2 alone. Prints a
-    markdown table; returns its rows."""
+    """Where the two-pass backward's time goes on CSA-shaped problems, for each pass-1 kernel that
+    runs here (Gluon, Triton): the whole backward, pass 1 alone, pass 1 without the dKV reductions
+    of the index (top-k) tiles, pass 2 alone. Prints a markdown table; returns its rows."""
     from v4launch.model.kernels import triton_attention as ta
     from v4launch.model.kernels import triton_attention_bwd as tb
 
     rows = []
-    print("| tokens | backward ms | TFLOP/s (% peak) | pass 1 ms | pass 1 without top-k dKV reductions ms |"
-          " their exposed cost ms | pass 2 ms |", flush=True)
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| tokens | pass-1 kernel | backward ms | TFLOP/s (% peak) | pass 1 ms |"
+          " pass 1 without top-k dKV reductions ms | their exposed cost ms | pass 2 ms |", flush=True)
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     for T in sizes:
         q, kv, idx, sink, ranges, n = csa_problem(T, H, D)
         o, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
         do = torch.randn_like(o)
-        ms = {}
-        for name, kw in (("bwd", {}), ("pass1", dict(passes=("dkv",))),
-                         ("pass1_no_idx_red", dict(passes=("dkv",), reduce_idx=False)),
-                         ("pass2", dict(passes=("dq",)))):
-            fn = lambda: tb.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5, **kw)  # noqa: E731
-            fn()
-            ms[name] = cuda_time(fn, reps)
-        tf = 10 * H * D * n / ms["bwd"] / 1e9
-        r = dict(T=T, candidates=n, tflops=tf, **{f"{k}_ms": v for k, v in ms.items()})
-        rows.append(r)
-        print(f"| {T} | {ms['bwd']:.1f} | {tf:.0f} ({100 * tf / peak:.1f}%) | {ms['pass1']:.1f} | "
-              f"{ms['pass1_no_idx_red']:.1f} | {ms['pass1'] - ms['pass1_no_idx_red']:.1f} | {ms['pass2']:.1f} |",
-              flush=True)
+        kernels = ("triton",) if tb.gluon_pass1_unavailable(q) else ("gluon", "triton")
+        for kernel in kernels:
+            ms = {}
+            for name, kw in (("bwd", {}), ("pass1", dict(passes=("dkv",))),
+                             ("pass1_no_idx_red", dict(passes=("dkv",), reduce_idx=False)),
+                             ("pass2", dict(passes=("dq",)))):
+                fn = lambda: tb.attention_bwd(q, kv, idx, ranges, o, lse, do, D ** -0.5,  # noqa: E731
+                                              dkv_kernel=kernel, **kw)
+                fn()
+                ms[name] = cuda_time(fn, reps)
+            tf = 10 * H * D * n / ms["bwd"] / 1e9
+            r = dict(T=T, kernel=kernel, candidates=n, tflops=tf, **{f"{k}_ms": v for k, v in ms.items()})
+            rows.append(r)
+            print(f"| {T} | {kernel} | {ms['bwd']:.1f} | {tf:.0f} ({100 * tf / peak:.1f}%) | {ms['pass1']:.1f} | "
+                  f"{ms['pass1_no_idx_red']:.1f} | {ms['pass1'] - ms['pass1_no_idx_red']:.1f} | "
+                  f"{ms['pass2']:.1f} |", flush=True)
         del q, kv, o, do
         torch.cuda.empty_cache()
     return rows

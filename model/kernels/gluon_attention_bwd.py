@@ -1,23 +1,28 @@
-"""Pass 1 of the two-pass sparse-attention backward in Gluon (SM90): an experiment in overlapping
-the dKV reductions with the tensor-core products. Selected with
-``triton_attention_bwd.attention_bwd(..., dkv_kernel="gluon")``; not the default.
+"""Pass 1 of the two-pass sparse-attention backward in Gluon (SM90): dKV and dS with whole-line
+dKV reductions. ``triton_attention_bwd.attention_bwd`` runs it on an H100/H200 for D = 512 (the V4
+head size) and falls back to the Triton pass 1 elsewhere (:func:`supported`).
 
-Same math, tiles and dS slot layout as ``triton_attention_bwd._dkv_pass`` (one program = one
-query t and one head block of BH = 64; the BN = 128 kv rows of a candidate tile are the wgmma M
-dimension; V = K so one product gives dKV = dS^T q + P^T dO). What plain Triton cannot express
-and this kernel does:
+Same math, tiles and dS slot layout as ``triton_attention_bwd._dkv_pass``: one program = one query t
+and one head block of BH = 64; the BN = 128 kv rows of a candidate tile are the wgmma M dimension;
+V = K, so one product gives dKV = dS^T q + P^T dO (the equations are in that module's docstring;
+FlashAttention-2 backward, sec. 3.1). What this kernel does that plain Triton cannot express:
 
+* **whole-line reductions.** Every tile adds dKV [BN, D] float32 into random rows of the dKV buffer
+  with ``red.global.add.v2.f32``. From the wgmma accumulator layout one warp instruction touches
+  eight rows x 32 bytes (eight cache lines), and the H200 sustains 565 G additions/s that way
+  against 940 G/s when each instruction covers whole 128-byte lines (one CTA per SM, 8 warps,
+  ``benchmarks/reduction_layout.py``): the rate is set by lines per instruction, not by warps or
+  CTAs. Two butterfly exchanges between lanes (``shfl.sync.bfly``, ``line_exchange.py``)
+  turn each instruction into two rows x one whole line, in registers, without shared memory;
 * asynchronous wgmma with explicit waits: per column part i of D the loop issues
   dKV_i(j) = [dS^T | P^T](j) [q_i; dO_i], then [S^T | dP^T](j + 1) += K_i(j + 1) [q_i; dO_i]^T,
-  and issues part i's ``red.global.add.v2.f32`` while tile j + 1's products are in flight
-  (DKV_BUF = 2: part i - 1's reductions under part i's products);
+  and reduces part i while tile j + 1's score product is in flight;
 * kv rows gathered into shared memory with ``cp.async``, NBUF - 1 parts ahead;
 * one N = 2 BH product for the scores (q and dO stacked in shared memory), dS stored coalesced.
 
-Measured on the H200 at 64K CSA tokens (``benchmarks/results/attention_h200.md``): 49.7 ms against
-the Triton pass 1's 48.9; without any reductions 27.5 ms. The 22 ms of reductions stay additive:
-the products in flight while a part's reductions drain are about a quarter of the drain time, so
-the same warps still wait. Hiding them needs reducer warps of their own (warp specialisation).
+Measured on the H200, CSA-shaped 64K problem, pass 1 alone (``benchmarks/results/attention_h200.md``):
+43.6 ms against 48.7 for the Triton pass 1 and 49.9 for this kernel with reductions from the
+accumulator layout; the exchanges cost 8 ms, the reductions then add 7.5 ms instead of 22.
 
 Shared memory at H = 64, D = 512, bf16, NP = 8, NBUF = 4: [q; dO] 128 KB + kv parts 64 KB.
 """
@@ -29,8 +34,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-# Best measured configuration: BN kv rows per tile, D in NP column parts, NBUF kv-part buffers.
-CONFIG = dict(BN=128, NP=8, NBUF=4, num_warps=8)
+from .line_exchange import line_exchange_red_asm
+
+# Measured on the H200: D in NP column parts of BH = 64, NBUF kv-part buffers. The kv tile BN = 128
+# is triton_attention_bwd.CONFIGS['dkv']['BN'] (it fixes the dS slot layout pass 2 reads).
+CONFIG = dict(NP=8, NBUF=4, num_warps=8)
 
 
 @gluon.jit
@@ -64,188 +72,23 @@ def _gather_part(k_s, slot: gl.constexpr, KV, rows, part: gl.constexpr, D: gl.co
     cp.commit_group()
 
 
-@gluon.jit
-def _red_add_rows(OUT, rows, valid, vals, col0, D: gl.constexpr, layout: gl.constexpr):
-    """``OUT[rows[r], col0 + c] += vals[r, c]`` (float32, relaxed, gpu scope) for valid rows; vals in
-    the wgmma accumulator ``layout``, whose adjacent register pairs are adjacent columns, so each
-    pair is one ``red.global.add.v2.f32``. The address is base-of-row + column offset inside the asm:
-    no tensor of 64-bit pointers."""
-    C: gl.constexpr = vals.shape[1]
-    base = (OUT + rows.to(gl.int64) * D + col0).to(gl.int64, bitcast=True)
-    col = gl.arange(0, C, layout=gl.SliceLayout(0, layout)) * 4
-    base, col = gl.broadcast(base[:, None], col[None, :])
-    ok, col = gl.broadcast(valid.to(gl.int32)[:, None], col)
-    gl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        .reg .u64 a;
-        setp.ne.b32 p, $4, 0;
-        cvt.u64.u32 a, $6;
-        add.u64 a, a, $2;
-        @p red.global.gpu.relaxed.add.v2.f32 [a], {$8, $9};
-        mov.b32 $0, 0;
-        mov.b32 $1, 0;
-        }""",
-        constraints="=r,=r,l,l,r,r,r,r,r,r", args=[base, ok, col, vals], dtype=gl.int32, is_pure=False, pack=2)
-
-
-def _line_red_asm(stages: int, D: int) -> str:
-    """PTX for ``_red_add_rows_lines``: the 32 float32 accumulator registers of one thread of an
-    m64n64 wgmma layout (register bits: column 1, row 8, columns 8 / 16 / 32; lane bits: columns
-    2 / 4, rows 1 / 2 / 4) go through ``stages`` butterfly exchanges between lanes (lane bit 4 with
-    register bit 3, then lane bit 3 with register bit 2). After two, each ``red.v2`` instruction of a
-    warp covers two rows x one whole 128-byte line; after one, four rows x 64 bytes; without, eight
-    rows x 32 bytes. Each register's row index comes from the lane that held it (one ``shfl`` per
-    distinct row). Operands: $0..$31 outputs (working registers), $32..$63 the address of
-    dKV[0, col0] (uniform), $64..$95 row indices (-1 = skip), $96..$127 values."""
-    assert stages in (1, 2)
-    L = ["{", ".reg .u32 lane, colb, t, src, row;", ".reg .pred p3, p4, pv;", ".reg .b32 s;", ".reg .u64 a, ra;",
-         "mov.u32 lane, %laneid;", "and.b32 t, lane, 8;", "setp.ne.u32 p3, t, 0;",
-         "and.b32 t, lane, 16;", "setp.ne.u32 p4, t, 0;"]
-    L += [f"mov.b32 ${k}, ${96 + k};" for k in range(32)]
-    for bit, mask, pred in ((8, 16, "p4"), (4, 8, "p3"))[:stages]:
-        for i in range(32):
-            if not i & bit:
-                L += [f"selp.b32 s, ${i}, ${i + bit}, {pred};", f"shfl.sync.bfly.b32 s, s, {mask}, 31, -1;",
-                      f"@{pred} mov.b32 ${i}, s;", f"@!{pred} mov.b32 ${i + bit}, s;"]
-    # column byte offset of this lane: 4 (2 q) + 4 (16 lane bit 4) [+ 4 (8 lane bit 3) after two stages]
-    L += ["and.b32 colb, lane, 3;", "shl.b32 colb, colb, 3;", "and.b32 t, lane, 16;", "shl.b32 t, t, 2;",
-          "add.u32 colb, colb, t;"]
-    if stages == 2:
-        L += ["and.b32 t, lane, 8;", "shl.b32 t, t, 2;", "add.u32 colb, colb, t;"]
-    keep = 7 if stages == 2 else 15  # lane bits that still name this register's row group
-    for h in range(2):
-        for r2 in range(2 if stages == 2 else 1):
-            for r3 in range(2):
-                L += [f"and.b32 src, lane, {keep};", f"or.b32 src, src, {(r2 << 3) | (r3 << 4)};",
-                      f"shfl.sync.idx.b32 row, ${64 + 2 * h}, src, 31, -1;", "setp.ge.s32 pv, row, 0;",
-                      "mul.wide.s32 ra, row, %d;" % (4 * D), f"add.u64 ra, ra, $32;",
-                      "cvt.u64.u32 a, colb;", "add.u64 ra, ra, a;"]
-                for n2 in range(2):
-                    for r2b in ((r2,) if stages == 2 else (0, 1)):
-                        k = 2 * h + 4 * r2b + 8 * r3 + 16 * n2
-                        off = 128 * n2 + (0 if stages == 2 else 32 * r2b)
-                        L += [f"add.u64 a, ra, {off};", f"@pv red.global.gpu.relaxed.add.v2.f32 [a], {{${k}, ${k + 1}}};"]
-    L.append("}")
-    return "\n".join(L)
-
-
-LINE_RED_ASM = gl.constexpr(_line_red_asm(2, 512))
-LINE_RED_ASM1 = gl.constexpr(_line_red_asm(1, 512))
+LINE_RED_ASM = gl.constexpr(line_exchange_red_asm(512))
 LINE_RED_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 32 + ["l"] * 32 + ["r"] * 32 + ["r"] * 32))
 
 
 @gluon.jit
-def _red_add_rows_lines(OUT, rows, valid, vals, col0, D: gl.constexpr, STAGES: gl.constexpr = 2):
-    """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows, vals [BN, 64] float32 in the m64n64
-    wgmma accumulator layout (8 warps, instr [16, 64, 16]), D == 512; lanes exchange values first so
-    each ``red.global.add.v2.f32`` covers whole 128-byte lines (``_line_red_asm``)."""
+def _red_add_rows_lines(OUT, rows, valid, vals, col0, D: gl.constexpr):
+    """``OUT[rows[r], col0 + c] += vals[r, c]`` (float32, relaxed, gpu scope) for valid rows.
+    vals [BN, 64] float32 in the m64n64 wgmma accumulator layout (instr [16, 64, 16], warps [W, 1]),
+    rows / valid [BN] in its row slice; D must be 512 (the address arithmetic is in the PTX).
+    Lanes exchange values first so each ``red.global.add.v2.f32`` covers whole 128-byte lines
+    (``line_exchange.line_exchange_red_asm``)."""
     gl.static_assert(D == 512)
     r = gl.where(valid, rows, -1)
     base = (OUT + col0).to(gl.int64, bitcast=True) + gl.zeros_like(vals).to(gl.int64)
     r, v = gl.broadcast(r[:, None], vals)
-    if STAGES == 2:
-        gl.inline_asm_elementwise(asm=LINE_RED_ASM, constraints=LINE_RED_CONSTRAINTS, args=[base, r, v],
-                                  dtype=gl.int32, is_pure=False, pack=32)
-    else:
-        gl.inline_asm_elementwise(asm=LINE_RED_ASM1, constraints=LINE_RED_CONSTRAINTS, args=[base, r, v],
-                                  dtype=gl.int32, is_pure=False, pack=32)
-
-
-@gluon.jit
-def _bulk_reduce_rows(OUT, rows, valid, col0, stage_off, D: gl.constexpr, ROW_BYTES: gl.constexpr,
-                      NBYTES: gl.constexpr, layout: gl.constexpr):
-    """Thread r < len(rows) issues ``OUT[rows[r], col0 : col0 + NBYTES / 4] += stage row r`` as one
-    ``cp.reduce.async.bulk`` (float32 add done in L2 by the TMA unit, which reads the shared stage
-    asynchronously) and commits it as its own bulk group; invalid rows issue nothing. ``stage_off`` =
-    the stage's byte offset in the kernel's dynamic shared memory (``global_smem``), row r starting
-    ROW_BYTES * r after it. ``layout`` must give element r to thread r."""
-    R: gl.constexpr = rows.shape[0]
-    gaddr = (OUT + rows.to(gl.int64) * D + col0).to(gl.int64, bitcast=True)
-    saddr = stage_off + gl.arange(0, R, layout=layout) * ROW_BYTES
-    gl.inline_asm_elementwise(
-        asm=f"""{{
-        .reg .pred p;
-        .reg .u32 t, s;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, {R};
-        setp.ne.and.b32 p, $3, 0, p;
-        mov.u32 s, global_smem;
-        add.u32 s, s, $2;
-        @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$1], [s], {NBYTES};
-        @p cp.async.bulk.commit_group;
-        mov.b32 $0, 0;
-        }}""",
-        constraints="=r,l,r,r", args=[gaddr, saddr, valid.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _bulk_wait_read(R: gl.constexpr, layout: gl.constexpr):
-    """Threads r < R wait until the TMA unit has read all their bulk groups out of shared memory."""
-    gl.inline_asm_elementwise(
-        asm=f"""{{
-        .reg .pred p;
-        .reg .u32 t;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, {R};
-        @p cp.async.bulk.wait_group.read 0;
-        mov.b32 $0, 0;
-        }}""",
-        constraints="=r,r", args=[gl.arange(0, R, layout=layout)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _stage_and_issue(DKV, rows1, valid1, vals, col0, stage, stage_off, D: gl.constexpr, one: gl.constexpr,
-                     PAD: gl.constexpr):
-    """Wait until the TMA unit has read the stage, write vals [BN, C] into it, issue one bulk
-    reduction per valid row into dKV[rows, col0 : col0 + C]."""
-    C: gl.constexpr = vals.shape[1]
-    _bulk_wait_read(vals.shape[0], one)
-    gl.thread_barrier()
-    stage.store(vals)
-    fence_async_shared()
-    gl.thread_barrier()
-    _bulk_reduce_rows(DKV, rows1, valid1, col0, stage_off, D, (C + PAD) * 4, C * 4, one)
-
-
-@gluon.jit
-def _reduce_part(DKV, rows, valid, rows1, valid1, dkv, col0, stage, stage_off, D: gl.constexpr, mma: gl.constexpr,
-                 one: gl.constexpr, BULK: gl.constexpr, PAD: gl.constexpr, HALVES: gl.constexpr,
-                 ROWRED: gl.constexpr, LINERED: gl.constexpr):
-    """dKV[rows, col0 ...] += dkv [BN, P]: ``red.v2`` from registers, or (BULK) through the padded
-    shared stage and the TMA unit, whole or in two column halves (HALVES = 2: a stage of half the
-    shared memory)."""
-    if LINERED > 0:
-        _red_add_rows_lines(DKV, rows, valid, dkv, col0, D, LINERED)
-    elif ROWRED:
-        # red.v2 from a row-contiguous layout (a warp instruction covers whole 128-byte lines of two
-        # rows) instead of the wgmma layout (eight rows per instruction), through shared memory
-        BN: gl.constexpr = dkv.shape[0]
-        P: gl.constexpr = dkv.shape[1]
-        NW: gl.constexpr = gl.num_warps()
-        if HALVES == 2:
-            rl: gl.constexpr = gl.BlockedLayout([BN // NW // 2, 2], [2, 16], [NW, 1], [1, 0])
-            lo, hi = gl.split(gl.permute(gl.reshape(dkv, [BN, 2, P // 2]), (0, 2, 1)))
-            rows_r = gl.convert_layout(rows, gl.SliceLayout(1, rl))
-            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rl))
-            _red_add_rows(DKV, rows_r, valid_r, gl.convert_layout(lo, rl), col0, D, rl)
-            _red_add_rows(DKV, rows_r, valid_r, gl.convert_layout(hi, rl), col0 + P // 2, D, rl)
-        else:
-            rl: gl.constexpr = gl.BlockedLayout([BN // NW, 2], [1, 32], [NW, 1], [1, 0])
-            rows_r = gl.convert_layout(rows, gl.SliceLayout(1, rl))
-            valid_r = gl.convert_layout(valid, gl.SliceLayout(1, rl))
-            _red_add_rows(DKV, rows_r, valid_r, gl.convert_layout(dkv, rl), col0, D, rl)
-    elif BULK:
-        if HALVES == 2:
-            BN: gl.constexpr = dkv.shape[0]
-            P: gl.constexpr = dkv.shape[1]
-            lo, hi = gl.split(gl.permute(gl.reshape(dkv, [BN, 2, P // 2]), (0, 2, 1)))
-            _stage_and_issue(DKV, rows1, valid1, lo, col0, stage, stage_off, D, one, PAD)
-            _stage_and_issue(DKV, rows1, valid1, hi, col0 + P // 2, stage, stage_off, D, one, PAD)
-        else:
-            _stage_and_issue(DKV, rows1, valid1, dkv, col0, stage, stage_off, D, one, PAD)
-    else:
-        _red_add_rows(DKV, rows, valid, dkv, col0, D, mma)
+    gl.inline_asm_elementwise(asm=LINE_RED_ASM, constraints=LINE_RED_CONSTRAINTS, args=[base, r, v],
+                              dtype=gl.int32, is_pure=False, pack=32)
 
 
 @gluon.jit
@@ -278,17 +121,19 @@ def _scores_to_operands(sd, j, n_tiles, n0, n1, lo0, hi0, lo1, hi1, IDX, t, t_lo
     return (gl.convert_layout(dsb, op), gl.convert_layout(pt.to(DS.dtype.element_ty), op), rows, valid)
 
 
-@gluon.jit(do_not_specialize=["STAGE_OFF"])
-def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, sq_h, qk_scale, sm_scale, STAGE_OFF,
+@gluon.jit
+def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, sq_h, qk_scale, sm_scale,
               H: gl.constexpr, D: gl.constexpr, BH: gl.constexpr, BN: gl.constexpr, NP: gl.constexpr,
               NBUF: gl.constexpr, HAS_IDX: gl.constexpr, HAS_RNG: gl.constexpr, REDUCE_IDX: gl.constexpr = True,
-              DKV_BUF: gl.constexpr = 1, NO_RED: gl.constexpr = False, BULK: gl.constexpr = False,
-              PAD: gl.constexpr = 4, HALVES: gl.constexpr = 2, ROWRED: gl.constexpr = False,
-              LINERED: gl.constexpr = 0):
+              NO_RED: gl.constexpr = False):
     """Arguments and outputs as ``triton_attention_bwd._dkv_pass`` (program (i, j): query t0 + i,
-    heads j * BH ...). NO_RED = True predicates every reduction off (wrong result: timing only). Needs D / NP == BH (the dKV parts share the score accumulators' layout) and
+    heads j * BH ...): dKV [N, D] float32 += this query's contributions, dS [Tc, H, NC] and
+    delta [T, H] written. REDUCE_IDX = False skips the index tiles' reductions and NO_RED = True all
+    of them (wrong gradients: for ``benchmarks/attention.py --bwd-breakdown`` only). Needs
+    D / NP == BH == 64 (the dKV parts share the score accumulators' layout), D == 512 and
     NP % NBUF == 0."""
     gl.static_assert(D // NP == BH)
+    gl.static_assert(BH == 64)
     gl.static_assert(NP % NBUF == 0)
     P: gl.constexpr = D // NP
     NW: gl.constexpr = gl.num_warps()
@@ -302,13 +147,6 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
     kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, P], dtype)
     qdo_s = gl.allocate_shared_memory(dtype, [NP, 2 * BH, P], qdo_sl)  # part i: rows 0..BH-1 q, BH.. dO
     k_s = gl.allocate_shared_memory(dtype, [NBUF, BN, P], kv_sl)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-    if BULK:
-        SC: gl.constexpr = P // HALVES
-        stage = gl.allocate_shared_memory(gl.float32, [BN, SC],
-                                          gl.PaddedSharedLayout.with_identity_for([[SC, PAD]], [BN, SC], [1, 0]))
-    else:
-        stage = k_s
 
     t_loc = gl.program_id(0)
     t = t0 + t_loc.to(gl.int64)
@@ -369,15 +207,12 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
     dsb, ptb, rows, valid = _scores_to_operands(sd, 0, n_tiles, n0, n1, lo0, hi0, lo1, hi1, IDX, t, t_loc, K_SEL,
                                                 DS, NC, hb, lse2_s, delta_s, qk_scale, sm_scale, H, BN, BH, HAS_IDX,
                                                 REDUCE_IDX, mma, op, NO_RED)
-    rows1 = gl.convert_layout(rows, one)
-    valid1 = gl.convert_layout(valid, one)
 
     # tile j's dKV under tile j + 1's scores
     for j in range(0, n_tiles - 1):
         rows_a = rows_b
         rows_b, _ = _tile_rows(j + 2, n_tiles, n0, n1, lo0, hi0, lo1, hi1, IDX, t, K_SEL, BN, HAS_IDX,
                                gl.SliceLayout(1, ld))
-        dkv_prev = dsb  # placeholder; with DKV_BUF == 2 part i - 1 is reduced under part i's products
         for i in gl.static_range(NP):
             dkv = warpgroup_mma(dsb, qdo_s.index(i).slice(0, BH), gl.zeros([BN, P], gl.float32, layout=mma),
                                 use_acc=False, is_async=True)
@@ -386,45 +221,22 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
             fence_async_shared()
             gl.thread_barrier()
             sd = warpgroup_mma(k_s.index(i % NBUF), qdo_s.index(i).permute((1, 0)), sd, use_acc=i > 0, is_async=True)
-            if DKV_BUF == 2:
-                if i > 0:
-                    dkv_prev = warpgroup_mma_wait(3, deps=(dkv_prev, ))
-                    _reduce_part(DKV, rows, valid, rows1, valid1, dkv_prev, (i - 1) * P, stage, STAGE_OFF, D, mma, one, BULK, PAD, HALVES, ROWRED, LINERED)
-                dkv_prev = dkv
-            else:
-                dkv = warpgroup_mma_wait(1, deps=(dkv, ))  # tile j + 1's part-i scores stay in flight
-                _reduce_part(DKV, rows, valid, rows1, valid1, dkv, i * P, stage, STAGE_OFF, D, mma, one, BULK, PAD, HALVES, ROWRED, LINERED)
+            dkv = warpgroup_mma_wait(1, deps=(dkv, ))  # tile j + 1's part-i scores stay in flight
+            _red_add_rows_lines(DKV, rows, valid, dkv, i * P, D)
             if i + NBUF - 1 < NP:
                 _gather_part(k_s, (i + NBUF - 1) % NBUF, KV, rows_a, i + NBUF - 1, D, P, ld)
             else:
                 _gather_part(k_s, (i + NBUF - 1) % NBUF, KV, rows_b, i + NBUF - 1 - NP, D, P, ld)
-        if DKV_BUF == 2:
-            dkv_prev, sd = warpgroup_mma_wait(0, deps=(dkv_prev, sd))
-            _reduce_part(DKV, rows, valid, rows1, valid1, dkv_prev, (NP - 1) * P, stage, STAGE_OFF, D, mma, one, BULK, PAD, HALVES, ROWRED, LINERED)
-        else:
-            sd = warpgroup_mma_wait(0, deps=(sd, ))
+        sd = warpgroup_mma_wait(0, deps=(sd, ))
         dsb, ptb, rows, valid = _scores_to_operands(sd, j + 1, n_tiles, n0, n1, lo0, hi0, lo1, hi1, IDX, t, t_loc,
                                                     K_SEL, DS, NC, hb, lse2_s, delta_s, qk_scale, sm_scale, H, BN,
                                                     BH, HAS_IDX, REDUCE_IDX, mma, op, NO_RED)
-        rows1 = gl.convert_layout(rows, one)
-        valid1 = gl.convert_layout(valid, one)
     # the last tile's dKV
     for i in gl.static_range(NP):
         dkv = warpgroup_mma(dsb, qdo_s.index(i).slice(0, BH), gl.zeros([BN, P], gl.float32, layout=mma),
                             use_acc=False, is_async=True)
         dkv = warpgroup_mma(ptb, qdo_s.index(i).slice(BH, BH), dkv, is_async=True)
         dkv = warpgroup_mma_wait(0, deps=(dkv, ))
-        _reduce_part(DKV, rows, valid, rows1, valid1, dkv, i * P, stage, STAGE_OFF, D, mma, one, BULK, PAD, HALVES, ROWRED, LINERED)
+        _red_add_rows_lines(DKV, rows, valid, dkv, i * P, D)
     cp.wait_group(0)
-    if BULK:
-        _bulk_wait_read(BN, one)
 
-
-def stage_offset_candidates(kernel, stage_bytes: int) -> list[int]:
-    """Byte offsets where a compiled ``_dkv_pass`` (BULK) may have put its shared stage of
-    ``stage_bytes``: 0 and every constant buffer base in its LLVM IR that leaves room for it, largest
-    first. The allocator's choice is not exposed to the kernel source."""
-    import re
-
-    consts = re.findall(r"getelementptr \(i8, ptr addrspace\(3\) @global_smem, i32 (\d+)\)", kernel.asm["llir"])
-    return sorted({o for o in {0, *map(int, consts)} if o + stage_bytes <= kernel.metadata.shared}, reverse=True)

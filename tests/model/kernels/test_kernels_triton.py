@@ -81,7 +81,8 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
     if budget is not None:
         assert tb.slot_count(ranges, idx.shape[1], tb.CONFIGS["dkv"]["BN"]) * H * 2 * 4 > budget  # > 4 chunks
     _poison()
-    dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget)
+    dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
+                                      dkv_kernel="triton")
     qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
     o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
     r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
@@ -95,6 +96,60 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
     assert float(dkv[~touched].abs().max()) == 0.0
     dq1, dkv1, _ = ta.attention_bwd_single_pass(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
     assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
+
+
+@pytest.mark.skipif(tb.gluon_pass1_unavailable(torch.zeros(1, 64, 512, device=DEV, dtype=torch.bfloat16)) is not None,
+                    reason="the Gluon pass 1 needs an SM90 GPU and a Triton with Gluon")
+@pytest.mark.parametrize("mode", ["idx+ranges", "idx", "ranges"])
+@pytest.mark.parametrize("H,budget", [(64, None), (64, 50_000), (128, 50_000)])
+def test_gluon_pass1_matches_float64(H, budget, mode):
+    """The backward with the Gluon pass 1 (whole-line dKV reductions after lane exchanges) against
+    float64 autograd of the reference: window ranges and index columns, each alone, one chunk and
+    many chunks of queries, two head blocks; rows no query selects get exactly zero dKV; the
+    Triton pass 1 gives the same dKV and dS-derived dQ to float32 rounding of the reductions."""
+    q, kv, sink, idx, ranges = _problem(H=H)
+    idx = idx if "idx" in mode else None
+    ranges = ranges if "ranges" in mode else None
+    out, lse = ta.attention_fwd(q, kv, idx, sink, 512 ** -0.5, ranges)
+    g = torch.randn_like(out)
+    _poison()
+    dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
+                                      dkv_kernel="gluon")
+    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
+    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
+    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
+    assert _rel(dq, r[0]) <= 1e-2 and _rel(dkv, r[1]) <= 1e-2
+    assert _rel(delta, (g.double() * o2).sum(-1)) <= 1e-2
+    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEV)
+    if idx is not None:
+        touched[idx[idx >= 0].long()] = True
+    if ranges is not None:
+        for a in (0, 2):
+            for lo, hi in ranges[:, a:a + 2].tolist():
+                touched[lo:hi] = True
+    assert float(dkv[~touched].abs().max()) == 0.0
+    dq_t, dkv_t, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
+                                      dkv_kernel="triton")
+    assert _rel(dkv, dkv_t) <= 1e-5 and _rel(dq, dq_t) <= 1e-2
+
+
+def test_auto_pass1_is_the_gluon_kernel_where_it_runs():
+    """``dkv_kernel="auto"`` takes the Gluon pass 1 on SM90 for V4's D = 512 (same dKV bits as
+    asking for it: the reductions are order-independent only up to rounding, so compare closely)
+    and the Triton one for a D it does not cover; asking for Gluon where it cannot run is an error."""
+    q, kv, sink, idx, ranges = _problem()
+    out, lse = ta.attention_fwd(q, kv, idx, sink, 512 ** -0.5, ranges)
+    g = torch.randn_like(out)
+    why = tb.gluon_pass1_unavailable(q)
+    _, dkv_auto, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
+    _, dkv_pick, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5,
+                                      dkv_kernel="triton" if why else "gluon")
+    assert _rel(dkv_auto, dkv_pick) <= 1e-6
+    q2 = q[..., :256].contiguous()
+    assert tb.gluon_pass1_unavailable(q2) is not None
+    with pytest.raises(ValueError, match="dkv_kernel=.gluon. needs"):
+        tb.attention_bwd(q2, kv[:, :256].contiguous(), idx, ranges, out[..., :256].contiguous(), lse,
+                         g[..., :256].contiguous(), 1.0, dkv_kernel="gluon")
 
 
 @pytest.mark.parametrize("cfg", tb.DQ_CANDIDATES, ids=lambda c: "BNQ{BNQ}-s{num_stages}".format(**c))

@@ -1,14 +1,26 @@
-"""Lab: float32 row reductions through the TMA unit against ``red.global.add.v2.f32`` (SM90).
+"""Float32 row reductions on SM90 by the layout that issues them (the dKV floor of pass 1).
 
-    python benchmarks/tma_reduce_lab.py [--out DIR]
+    python benchmarks/reduction_layout.py [--out DIR]
 
-The two-pass backward's pass 1 adds every candidate tile's dKV [BN rows x P columns] into random
-rows of the float32 dKV buffer. With ``red`` the issuing warps stall at the L2's reduction rate
-(benchmarks/results/attention_h200.md). The TMA unit can do the same additions asynchronously from
-shared memory (``cp.reduce.async.bulk.tensor``, one [1, C] box per row), leaving the warps free.
-This script measures, for tiles of R random rows x 512 columns into an L2-resident destination:
-the rate of each path alone, whether the TMA path is exact, and how much of an interleaved
-tensor-core workload survives beside it.
+Pass 1 of the two-pass attention backward adds every candidate tile's dKV [128 rows x 64 columns]
+(one column part) into random rows of a float32 [N, 512] buffer. This script times that operation
+alone, one persistent CTA of 8 warps per SM as in pass 1, 16384 tiles of 128 random rows x 512
+columns into a 32 MB (L2-resident) destination, issued four ways:
+
+* ``wgmma layout``: ``red.global.add.v2.f32`` straight from the m64n64 wgmma accumulator layout
+  (a warp instruction spans eight rows x 32 bytes: eight cache lines);
+* ``lane exchange``: the same registers after two butterfly exchanges between lanes
+  (``model/kernels/line_exchange.py``): two rows x one whole 128-byte line per instruction;
+* ``row layout``: the tile converted through shared memory to a layout where a warp covers one
+  row's 64 columns;
+* ``bulk (TMA)``: the tile written to a padded shared stage and added by the TMA unit
+  (``cp.reduce.async.bulk``, one 256-byte row per operation, asynchronous); the stage is reused
+  once the unit has read it. The stage's byte offset in dynamic shared memory is the compiler's
+  choice, so the candidates from the compiled kernel are tried until the result is exact.
+
+``--mma-work N`` adds N wgmma products [128 x 64] x [64 x 64] per part beside the reductions.
+Each case checks its sums exactly against float64 (values name their tile, row and column).
+Prints a markdown table (G additions/s); writes reduction_layout.json under --out.
 """
 
 from __future__ import annotations
@@ -88,10 +100,11 @@ def _red_v2(OUT, rows, vals, col0, D: gl.constexpr, layout: gl.constexpr):
 @gluon.jit(do_not_specialize=["STAGE_OFF"])
 def _reduce_tiles(OUT, ROWS, n_tiles, STAGE_OFF, R: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
                   MODE: gl.constexpr, MMA_WORK: gl.constexpr, PAD: gl.constexpr):
-    """Program p adds tiles p, p + G, ... (G programs): tile i = R rows ROWS[i R ...] x D columns of
-    value (i % 7 + 1) in D / C parts of [R, C]. MODE 0: red.v2 from registers; 1: bulk reduce from a
-    padded shared stage, one row per operation (stage reused after the TMA unit read it); 2: the
-    stage is written but nothing reduced. MMA_WORK wgmma [R, 64] x [64, C] products per part beside it."""
+    """Program p adds tiles p, p + G, ... (G programs): tile i = rows ROWS[i R ...] x D columns, in
+    D / C parts of [R, C] built in the wgmma accumulator layout, value i % 7 + 1 + 100 r + c (r, c
+    within the part). MODE (see the module docstring): 0 wgmma layout, 1 lane exchange (C = 64,
+    D = 512), 2 row layout, 3 bulk (TMA) from a stage padded by PAD floats per row. MMA_WORK
+    products [R, 64] x [64, C] per part beside the reductions."""
     NW: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, C, 16])
     st_l: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[C, PAD]], [R, C], [1, 0])
@@ -118,11 +131,9 @@ def _reduce_tiles(OUT, ROWS, n_tiles, STAGE_OFF, R: gl.constexpr, D: gl.constexp
                 sink = warpgroup_mma(a_s, b_s, sink)
             if MODE == 0:
                 _red_v2(OUT, rows, vals, part * C, D, mma)
-            elif MODE == 4:  # red.v2 after two lane exchanges: two rows x one 128-byte line per instruction
-                _red_add_rows_lines(OUT, rows, rows >= 0, vals, part * C, D, 2)
-            elif MODE == 5:  # after one exchange: four rows x 64 bytes per instruction
-                _red_add_rows_lines(OUT, rows, rows >= 0, vals, part * C, D, 1)
-            elif MODE == 3:  # red.v2 from a row-contiguous layout: a warp covers one row's C columns
+            elif MODE == 1:
+                _red_add_rows_lines(OUT, rows, rows >= 0, vals, part * C, D)
+            elif MODE == 2:
                 cl: gl.constexpr = gl.BlockedLayout([R // NW, 2], [1, 32], [NW, 1], [1, 0])
                 rows_c = gl.load(ROWS + i * R + gl.arange(0, R, layout=gl.SliceLayout(1, cl)))
                 _red_v2(OUT, rows_c, gl.convert_layout(vals, cl), part * C, D, cl)
@@ -132,12 +143,14 @@ def _reduce_tiles(OUT, ROWS, n_tiles, STAGE_OFF, R: gl.constexpr, D: gl.constexp
                 stage.store(vals)
                 fence_async_shared()
                 gl.thread_barrier()
-                if MODE == 1:
-                    _bulk_reduce_rows(OUT, rows1, rows1 >= 0, part * C, STAGE_OFF, D, (C + PAD) * 4, C * 4, one)
+                _bulk_reduce_rows(OUT, rows1, rows1 >= 0, part * C, STAGE_OFF, D, (C + PAD) * 4, C * 4, one)
     _bulk_wait_read(R, one)
     if MMA_WORK > 0:
         gl.store(OUT + gl.arange(0, R, layout=rows_l)[:, None] * 0 + gl.arange(0, C, layout=gl.SliceLayout(0, mma))[None, :] * 0,
                  sink, mask=sink > 1.0e30)
+
+
+MODES = ("wgmma layout", "lane exchange", "row layout", "bulk (TMA)")
 
 
 def stage_offsets(kernel) -> list[int]:
@@ -156,7 +169,7 @@ def run(n_rows: int, R: int, C: int, mode: int, mma_work: int, tiles: int = 1638
     kw = dict(R=R, D=D, C=C, MODE=mode, MMA_WORK=mma_work, PAD=4, num_warps=warps)
     offs = stage_offsets(_reduce_tiles.warmup(dst, rows, tiles, 0, grid=grid, **kw))
     fn = lambda: _reduce_tiles[grid](dst, rows, tiles, offs[0], **kw)  # noqa: E731
-    out = dict(dest_mb=n_rows * D * 4 / 2 ** 20, R=R, C=C, mode=["red.v2", "bulk", "stage only", "red.v2 rows", "red.v2 lines", "red.v2 half lines"][mode],
+    out = dict(dest_mb=n_rows * D * 4 / 2 ** 20, R=R, C=C, mode=MODES[mode],
                mma_work=mma_work, warps=kw["num_warps"], ctas_per_sm=ctas)
     if check:
         # value of (tile i, local row r, column c) = i % 7 + 1 + 100 r + (c % C): exact in float32
@@ -172,7 +185,7 @@ def run(n_rows: int, R: int, C: int, mode: int, mma_work: int, tiles: int = 1638
             torch.cuda.synchronize()
             out["stage_off"] = off
             out["max_abs_err"] = float((dst.double() - ref).abs().max())
-            if out["max_abs_err"] == 0 or mode != 1:
+            if out["max_abs_err"] == 0 or mode != 3:
                 break
     fn()
     torch.cuda.synchronize()
@@ -184,7 +197,7 @@ def run(n_rows: int, R: int, C: int, mode: int, mma_work: int, tiles: int = 1638
     torch.cuda.synchronize()
     ms = s.elapsed_time(e) / 5
     out["ms"] = ms
-    out["gelem_per_s"] = tiles * R * D / ms / 1e6 if mode != 2 else None
+    out["gelem_per_s"] = tiles * R * D / ms / 1e6
     out["mma_tflops"] = 2 * R * 64 * C * mma_work * (D // C) * tiles / ms / 1e9
     return out
 
@@ -192,18 +205,24 @@ def run(n_rows: int, R: int, C: int, mode: int, mma_work: int, tiles: int = 1638
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--mma-work", type=int, nargs="*", default=[0, 4])
     a = ap.parse_args()
     n = 16384  # 32 MB: the compressed-entry dKV of a 64K CSA layer
     res = []
-    cases = [dict(mode=0, warps=8), dict(mode=4, warps=8), dict(mode=5, warps=8)]
-    for kw in [dict(R=128, C=64, mma_work=0, check=True, **c) for c in cases]:
-        try:
-            r = run(n, **kw)
-        except Exception as exc:  # keep the other cases
-            r = dict(kw, error=repr(exc)[-2000:])
-        print(r, flush=True)
-        res.append(r)
-    with open(os.path.join(a.out, "tma_reduce_lab.json"), "w") as f:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| issued as | wgmma products per part | ms | G additions/s | exact |")
+    print("|---|---|---|---|---|")
+    for work in a.mma_work:
+        for mode in range(len(MODES)):
+            try:
+                r = run(n, R=128, C=64, mode=mode, mma_work=work, check=True)
+                print(f"| {r['mode']} | {work} | {r['ms']:.3f} | {r['gelem_per_s']:.0f} | {r['max_abs_err'] == 0} |",
+                      flush=True)
+            except Exception as exc:  # keep the other cases
+                r = dict(mode=MODES[mode], mma_work=work, error=repr(exc)[-2000:])
+                print(r, flush=True)
+            res.append(r)
+    with open(os.path.join(a.out, "reduction_layout.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=res), f, indent=1)
 
 
