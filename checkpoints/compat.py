@@ -236,12 +236,13 @@ def _phase_items(manifest: Manifest, recipe: Recipe, stage_index: int, phase: st
 
 def _optimizer_item(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]],
                     had_indexer: bool, flags: set[str]) -> CompatItem:
-    problems, added_indexer = [], 0
+    problems, added_indexer, new_groups = [], 0, []
     for g in sorted(set(old) | set(new)):
         o, n = old.get(g), new.get(g)
         if o is None or n is None:
             if n is not None and not had_indexer and _only_indexer(n):
                 added_indexer += int(n.get("n_params", 0))
+                new_groups.append(g)
                 continue
             problems.append(f"group '{g}' {'added' if o is None else 'removed'}")
             continue
@@ -261,8 +262,14 @@ def _optimizer_item(old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapp
         elif dict(o.get("dtypes", {})) != dict(n.get("dtypes", {})) or o.get("names_sha256") != n.get("names_sha256"):
             problems.append(f"group '{g}': dtypes {dict(o.get('dtypes', {}))} → {dict(n.get('dtypes', {}))}"
                             + ("" if o.get("names_sha256") == n.get("names_sha256") else ", parameter set changed"))
-    extra = f"; {added_indexer} new indexer parameters start with fresh state" if added_indexer else ""
-    return _item("optimizer groups", not problems, f"same groups and dtypes ({', '.join(sorted(new))}){extra}",
+    kept = sorted(g for g in new if g not in new_groups)
+    ok_text = f"same groups and dtypes ({', '.join(kept)})"
+    if new_groups:
+        ok_text = (f"checkpoint's groups unchanged ({', '.join(kept)}); new indexer group"
+                   f"{'s' if len(new_groups) > 1 else ''} {', '.join(new_groups)}")
+    if added_indexer:
+        ok_text += f"; {added_indexer} new indexer parameters start with fresh state"
+    return _item("optimizer groups", not problems, ok_text,
                  "; ".join(problems) + ": optimizer state would load into the wrong tensors or precision",
                  "--allow-optimizer-regroup", flags)
 

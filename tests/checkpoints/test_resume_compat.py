@@ -8,7 +8,7 @@ import pytest
 import torch
 from ckpt_helpers import PARALLEL, groups, manifest_for, tiny_dict
 
-from v4launch.checkpoints import CompatReport, Manifest, check_resume
+from v4launch.checkpoints import CompatReport, Manifest, check_resume, describe_params
 from v4launch.validators.schema import Recipe
 
 TOKENIZER = "byte-utf8:v1:vocab=257:eod=256"
@@ -133,3 +133,16 @@ def test_manifest_json_round_trip_and_bad_input(recipe, tmp_path):
         Manifest.from_dict({**m.to_dict(), "format_version": 99})
     with pytest.raises(CheckpointError, match="unknown"):
         Manifest.from_dict({**m.to_dict(), "surprise": 1})
+
+
+def test_a_new_indexer_only_group_is_named_not_called_the_same_groups(recipe):
+    """dense -> warm-up where the indexer's parameters form a group of their own: safe (fresh state),
+    and the report names the new group instead of claiming the groups are the same."""
+    dense = manifest_for(recipe, 0)
+    new = groups(indexer=False)
+    new["indexer"] = describe_params([("layers.1.attn.indexer.wq_b.weight", torch.zeros(2, 2)),
+                                      ("layers.1.attn.indexer.weights_proj.weight", torch.zeros(2, 2))])
+    it = item(run(dense, recipe, stage=1, param_groups=new), "optimizer groups")
+    assert it.verdict == "safe"
+    assert "same groups" not in it.reason and "new indexer group indexer" in it.reason
+    assert "checkpoint's groups unchanged (adamw, muon)" in it.reason

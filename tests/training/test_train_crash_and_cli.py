@@ -108,6 +108,11 @@ def test_tokenizer_change_refused_then_allowed(stopped_run):
     assert code == 1 and "--allow-tokenizer-change" in text
     code, text = _cli("resume", str(stopped_run), "--allow-tokenizer-change", "--dry-run")
     assert code == 0
+    # the run's bare name under the workspace's runs/ works as for status, logs and cancel
+    code, text = _cli("resume", stopped_run.name, "--allow-tokenizer-change", "--dry-run")
+    assert code == 0, text
+    code, text = _cli("resume", "no-such-run", "--dry-run")
+    assert code == 2 and "no-such-run" in text
 
 
 def test_cold_indexer_override_really_trains_sparse(stopped_run):

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from .common import OUT, JsonOpt, OverridesArg
+from .status import resolve_run
 
 HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint (or --checkpoint). The checkpoint's "
         "manifest is compared with the recipe (the run's frozen one, or --recipe / overrides, then re-frozen "
@@ -27,8 +28,8 @@ EXAMPLES = """Examples:
   v4launch resume RUN --checkpoint 120 --dry-run     # roll back to step 120 (newer ones set aside)
 """
 
-RunArg = Annotated[str | None, typer.Argument(help="Run directory; default: the workspace's newest run.",
-                                              show_default=False)]
+RunArg = Annotated[str | None, typer.Argument(help="Run directory (or its name under the workspace's runs/); default: the "
+                                              "workspace's newest run.", show_default=False)]
 PhaseOpt = Annotated[Literal["dense", "warmup", "sparse"] | None, typer.Option(
     "--phase", help="Continue at the first stage with this phase at or after the checkpoint's stage.",
     show_default=False)]
@@ -69,11 +70,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     extra = list(overrides or [])
     if run is not None and "=" in run and not Path(run).exists():
         run, extra = None, [run, *extra]
-    if run is None:
-        run_dir = Workspace.current().newest_run()
-        OUT.note(f"run: {run_dir} (the workspace's newest run)")
-    else:
-        run_dir = Path(run)
+    run_dir = resolve_run(run)  # a path, a name under the workspace's runs/, or the newest run (said)
     info = load_run(run_dir)
     changed = recipe is not None or bool(extra)
     loaded = load_recipe(recipe or info.paths.recipe, extra) if changed else info.loaded
