@@ -28,14 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import sys
+from pathlib import Path
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-import re
 
 from v4launch.model.kernels.gluon_attention_bwd import _red_add_rows_lines
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import cuda_time  # noqa: E402
 
 
 @gluon.jit
@@ -188,14 +193,7 @@ def run(n_rows: int, R: int, C: int, mode: int, mma_work: int, tiles: int = 1638
             if out["max_abs_err"] == 0 or mode != 3:
                 break
     fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    ms = s.elapsed_time(e) / 5
+    ms = cuda_time(fn, reps=5)
     out["ms"] = ms
     out["gelem_per_s"] = tiles * R * D / ms / 1e6
     out["mma_tflops"] = 2 * R * 64 * C * mma_work * (D // C) * tiles / ms / 1e9

@@ -67,6 +67,24 @@ def test_sparse_attention_matches_reference(dtype, tol, mode):
     assert max(errs) <= tol, errs
 
 
+def _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta) -> None:
+    """dq, dkv, delta of a bf16 backward against float64 autograd of the reference (relative error
+    <= 1e-2), and exactly zero dKV on the rows no query selects (idx and ranges may each be None)."""
+    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
+    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
+    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
+    assert _rel(dq, r[0]) <= 1e-2 and _rel(dkv, r[1]) <= 1e-2
+    assert _rel(delta, (g.double() * o2).sum(-1)) <= 1e-2
+    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEV)
+    if idx is not None:
+        touched[idx[idx >= 0].long()] = True
+    if ranges is not None:
+        for a in (0, 2):
+            for lo, hi in ranges[:, a:a + 2].tolist():
+                touched[lo:hi] = True
+    assert float(dkv[~touched].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("H,budget", [(64, None), (64, 50_000), (128, 50_000)])
 @pytest.mark.parametrize("cfg", tb.DKV_CANDIDATES, ids=lambda c: "BN{BN}-NP{NP}-w{num_warps}".format(**c))
 def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
@@ -83,17 +101,7 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
     _poison()
     dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
                                       dkv_kernel="triton")
-    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
-    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
-    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
-    assert _rel(dq, r[0]) <= 1e-2 and _rel(dkv, r[1]) <= 1e-2
-    assert _rel(delta, (g.double() * o2).sum(-1)) <= 1e-2
-    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEV)
-    touched[idx[idx >= 0].long()] = True
-    for a in (0, 2):
-        for lo, hi in ranges[:, a:a + 2].tolist():
-            touched[lo:hi] = True
-    assert float(dkv[~touched].abs().max()) == 0.0
+    _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta)
     dq1, dkv1, _ = ta.attention_bwd_single_pass(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
     assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
 
@@ -115,19 +123,7 @@ def test_gluon_pass1_matches_float64(H, budget, mode):
     _poison()
     dq, dkv, delta = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
                                       dkv_kernel="gluon")
-    qd, kd, sd = (x.detach().double().requires_grad_() for x in (q, kv, sink))
-    o2, _ = ref.sparse_sink_attention(qd, kd, idx, sd, 512 ** -0.5, ranges)
-    r = torch.autograd.grad((o2 * g.double()).sum(), (qd, kd))
-    assert _rel(dq, r[0]) <= 1e-2 and _rel(dkv, r[1]) <= 1e-2
-    assert _rel(delta, (g.double() * o2).sum(-1)) <= 1e-2
-    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=DEV)
-    if idx is not None:
-        touched[idx[idx >= 0].long()] = True
-    if ranges is not None:
-        for a in (0, 2):
-            for lo, hi in ranges[:, a:a + 2].tolist():
-                touched[lo:hi] = True
-    assert float(dkv[~touched].abs().max()) == 0.0
+    _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta)
     dq_t, dkv_t, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
                                       dkv_kernel="triton")
     assert _rel(dkv, dkv_t) <= 1e-5 and _rel(dq, dq_t) <= 1e-2
