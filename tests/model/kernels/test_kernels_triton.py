@@ -114,7 +114,8 @@ def test_gluon_pass1_matches_float64(H, budget, mode):
     """The backward with the Gluon pass 1 (whole-line dKV reductions after lane exchanges) against
     float64 autograd of the reference: window ranges and index columns, each alone, one chunk and
     many chunks of queries, two head blocks; rows no query selects get exactly zero dKV; the
-    Triton pass 1 gives the same dKV and dS-derived dQ to float32 rounding of the reductions."""
+    Triton pass 1 gives the same dKV to the float32 rounding of reductions done in another order
+    (measured 3e-6 to 1.5e-5; one misplaced row of ~2500 would be ~1e-2)."""
     q, kv, sink, idx, ranges = _problem(H=H)
     idx = idx if "idx" in mode else None
     ranges = ranges if "ranges" in mode else None
@@ -126,21 +127,33 @@ def test_gluon_pass1_matches_float64(H, budget, mode):
     _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta)
     dq_t, dkv_t, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5, budget_bytes=budget,
                                       dkv_kernel="triton")
-    assert _rel(dkv, dkv_t) <= 1e-5 and _rel(dq, dq_t) <= 1e-2
+    assert _rel(dkv, dkv_t) <= 1e-4 and _rel(dq, dq_t) <= 1e-2
 
 
-def test_auto_pass1_is_the_gluon_kernel_where_it_runs():
-    """``dkv_kernel="auto"`` takes the Gluon pass 1 on SM90 for V4's D = 512 (same dKV bits as
-    asking for it: the reductions are order-independent only up to rounding, so compare closely)
-    and the Triton one for a D it does not cover; asking for Gluon where it cannot run is an error."""
+def test_auto_pass1_is_the_gluon_kernel_where_it_runs(monkeypatch):
+    """``dkv_kernel="auto"`` launches the Gluon pass 1 on SM90 for V4's D = 512 and the Triton one
+    elsewhere (seen by which kernel is launched); asking for Gluon where it cannot run is an error."""
+    launched = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
     q, kv, sink, idx, ranges = _problem()
     out, lse = ta.attention_fwd(q, kv, idx, sink, 512 ** -0.5, ranges)
     g = torch.randn_like(out)
     why = tb.gluon_pass1_unavailable(q)
-    _, dkv_auto, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
-    _, dkv_pick, _ = tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5,
-                                      dkv_kernel="triton" if why else "gluon")
-    assert _rel(dkv_auto, dkv_pick) <= 1e-6
+    monkeypatch.setattr(tb, "_dkv_pass", Spy("triton", tb._dkv_pass))
+    if why is None:
+        from v4launch.model.kernels import gluon_attention_bwd as gb
+
+        monkeypatch.setattr(gb, "_dkv_pass", Spy("gluon", gb._dkv_pass))
+    tb.attention_bwd(q, kv, idx, ranges, out, lse, g, 512 ** -0.5)
+    assert launched and set(launched) == {"triton" if why else "gluon"}
     q2 = q[..., :256].contiguous()
     assert tb.gluon_pass1_unavailable(q2) is not None
     with pytest.raises(ValueError, match="dkv_kernel=.gluon. needs"):
