@@ -212,6 +212,10 @@ def test_checkpoint_option_rolls_back_and_sets_the_newer_ones_aside(new_run):
     step4 = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train" and r["step"] == 4]
     assert len(step4) == 2 and step4[0]["lm_loss"] == step4[1]["lm_loss"]  # the replayed step is bitwise the same
+    code, text = _cli("status", str(run))
+    assert code == 0 and "rolled back: abandoned-step_00000004 set aside" in text
+    code, text = _cli("status", str(run), "--json")
+    assert json.loads(text[text.index("{"):text.rindex("}") + 1])["set_aside"] == ["abandoned-step_00000004"]
 
 
 def test_summary_timeline_drops_what_a_resume_replays():

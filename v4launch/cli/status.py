@@ -91,9 +91,11 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
 
     run_dir = resolve_run(run)
     st = launcher_for(run_dir).status(run_dir)
+    set_aside = sorted(p.name for p in (run_dir / "checkpoints").glob("abandoned-*"))  # by resume --checkpoint
     if json_out:
         OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
-                  "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None, **st.detail})
+                  "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None,
+                  "set_aside": set_aside, **st.detail})
     else:
         rows = _rows(run_dir, st)
         OUT.console.print(_table(run_dir, st, rows))
@@ -103,6 +105,9 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         restarts = st.detail.get("restarts")
         budget = f"; restarts {restarts} of {st.detail.get('max_restarts')}" if restarts is not None else ""
         OUT.console.print(f"run state: [bold]{st.state}[/bold] (stage {_cell(st.stage)}, step {_cell(st.step)}{budget})")
+        if set_aside:
+            OUT.console.print(f"rolled back: {', '.join(set_aside)} set aside by `resume --checkpoint` (kept, never "
+                              "taken as the latest; rename one back to step_* to use it)", markup=False, highlight=False)
         if st.detail.get("log_tail"):
             OUT.console.print(f"last lines of {st.detail.get('log')}:", style="red")
             OUT.console.print("\n".join(st.detail["log_tail"]), markup=False, highlight=False)
