@@ -233,3 +233,22 @@ def test_summary_timeline_drops_what_a_resume_replays():
         ("event", "start", 0), ("train", None, 1), ("train", None, 2), ("train", None, 3), ("eval", None, 3),
         ("event", "checkpoint", 3), ("event", "start", 3), ("event", "phase", 3), ("train", None, 4)]
     assert current_timeline(recs[:9]) == recs[:9]  # no resume: everything
+
+
+def test_tensorboard_shows_each_step_once_after_a_rollback(new_run):
+    """The steps a rollback replays are logged again; TensorBoard hides the abandoned ones (the
+    resumed writer purges from the checkpoint's step on), so every step has exactly one value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = new_run({"logging": {"tensorboard": True}})
+    train(run, max_steps=4, progress=False)  # checkpoints at steps 3 and 4
+    code, text = _cli("resume", str(run), "--checkpoint", "3")
+    assert code == 0, text
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("loss/lm")]
+    assert steps == sorted(set(steps)) == list(range(1, 9)), steps
+    replayed = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == "train" and r["step"] == 4]
+    assert len(replayed) == 2  # metrics.jsonl keeps both attempts; TensorBoard shows the current one
+    assert [e.value for e in acc.Scalars("loss/lm") if e.step == 4] == [pytest.approx(replayed[1]["lm_loss"])]

@@ -95,7 +95,8 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
         if info.is_main:
             consume_resume_request(run.paths.root)
     metrics = MetricsLogger(run.paths.root, rank=info.rank, total_steps=runner.total_steps,
-                            tensorboard=run.recipe.logging.tensorboard, progress=progress)
+                            tensorboard=run.recipe.logging.tensorboard, progress=progress,
+                            start_step=runner.first_step)
     runner.metrics = metrics
     try:
         return _loop(runner, stop, stop_after_stage, max_steps)

@@ -44,7 +44,11 @@ def summary_line(rec: dict[str, Any], total_steps: int, eta_s: float | None) -> 
 class MetricsLogger:
     """Writes records to every sink. Only rank 0 writes metrics.jsonl, TensorBoard and the console."""
 
-    def __init__(self, run_dir: Path, *, rank: int, total_steps: int, tensorboard: bool, progress: bool) -> None:
+    def __init__(self, run_dir: Path, *, rank: int, total_steps: int, tensorboard: bool, progress: bool,
+                 start_step: int = 0) -> None:
+        """``start_step``: the optimizer steps the run had done when this process started (its
+        checkpoint's step). TensorBoard events an earlier attempt logged after it (steps replayed after
+        a crash or a ``resume --checkpoint`` rollback) are purged, so each step shows once."""
         self.rank, self.total_steps, self.main = rank, total_steps, rank == 0
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
@@ -54,7 +58,7 @@ class MetricsLogger:
         if self.main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self._progress = self._task = None
         if self.main and progress and sys.stdout.isatty():
             self._start_progress()
