@@ -187,10 +187,16 @@ def slot_count(ranges: torch.Tensor | None, n_idx: int, BN: int) -> int:
     return max(nc, BN)
 
 
-def gluon_pass1_unavailable(q: torch.Tensor) -> str | None:
-    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) cannot run for q, or None when it can:
-    it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of 64,
-    bf16 / fp16, and a Triton with Gluon (3.6 or newer)."""
+# Triton releases the Gluon pass 1 was built and tested with. Gluon is Triton's lower-level dialect
+# and its API still changes between releases: elsewhere "auto" takes the Triton pass 1 (and says why).
+GLUON_TESTED_TRITON = ("3.6.",)
+
+
+def gluon_pass1_unavailable(q: torch.Tensor, explicit: bool = False) -> str | None:
+    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q, or None when it
+    can: it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of
+    64, bf16 / fp16, and a Triton with Gluon; unless ``explicit`` (the caller asked for it by name),
+    also a Triton release in ``GLUON_TESTED_TRITON``."""
     H, D = q.shape[1], q.shape[2]
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "needs an SM90 GPU (H100 / H200)"
@@ -198,8 +204,11 @@ def gluon_pass1_unavailable(q: torch.Tensor) -> str | None:
         return f"needs D = 512, heads % {HEAD_BLOCK} == 0 and bf16 / fp16, got {q.dtype} {tuple(q.shape)}"
     try:
         from . import gluon_attention_bwd  # noqa: F401
-    except ImportError as exc:
-        return f"this Triton has no Gluon ({exc})"
+    except (ImportError, AttributeError) as exc:  # no Gluon, or one whose API moved
+        return f"this Triton has no Gluon the kernel can use ({exc})"
+    if not explicit and not triton.__version__.startswith(GLUON_TESTED_TRITON):
+        return (f"was tested with Triton {', '.join(v + 'x' for v in GLUON_TESTED_TRITON)}, this is {triton.__version__} "
+                "(dkv_kernel='gluon' runs it anyway)")
     return None
 
 
@@ -215,7 +224,8 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     pass alone or pass 1 without the dKV reductions of index tiles; any other setting returns
     incomplete gradients. ``dkv_kernel`` picks pass 1: "gluon" (``gluon_attention_bwd``, whole-line
     dKV reductions, 10% faster on the H200 at 64K), "triton" (``_dkv_pass`` here), or "auto" (gluon
-    where :func:`gluon_pass1_unavailable` says it can run, else triton). Raises ValueError when
+    where :func:`gluon_pass1_unavailable` says it can run on a tested Triton release, else triton).
+    Raises ValueError when
     :func:`supported` is false for q, a pass name or ``dkv_kernel`` is unknown, or "gluon" cannot run."""
     if set(passes) - {"dkv", "dq"}:
         raise ValueError(f"passes={passes!r}: each must be 'dkv' (pass 1) or 'dq' (pass 2)")
@@ -225,7 +235,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
         raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 and D % 64 == 0, got "
                          f"{q.dtype} {tuple(q.shape)}; use triton_attention.attention_bwd")
     if dkv_kernel != "triton":
-        why = gluon_pass1_unavailable(q)
+        why = gluon_pass1_unavailable(q, explicit=dkv_kernel == "gluon")
         if why and dkv_kernel == "gluon":
             raise ValueError(f"dkv_kernel='gluon' {why}; use dkv_kernel='triton' or 'auto'")
         dkv_kernel = "triton" if why else "gluon"

@@ -66,17 +66,3 @@ def test_two_pass_backward_refuses_an_unknown_pass_name():
     with pytest.raises(ValueError, match="passes=.*'dkv'.*'dq'"):
         tb.attention_bwd(q, q[:, 0], None, None, q, torch.zeros(2, 64), q, 1.0, passes=("dkv", "dQ"))
 
-
-def test_two_pass_backward_pass1_kernel_choice_is_checked():
-    """``dkv_kernel`` names a pass-1 kernel; an unknown name, or the Gluon kernel where it cannot run
-    (here: a CPU tensor, and D = 64), is refused with the reason instead of silently switching."""
-    import torch
-
-    from v4launch.model.kernels import triton_attention_bwd as tb
-
-    q = torch.zeros(2, 64, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="dkv_kernel='cuda'.*'auto', 'gluon' or 'triton'"):
-        tb.attention_bwd(q, q[:, 0], None, None, q, torch.zeros(2, 64), q, 1.0, dkv_kernel="cuda")
-    with pytest.raises(ValueError, match="dkv_kernel='gluon' needs an SM90 GPU"):
-        tb.attention_bwd(q, q[:, 0], None, None, q, torch.zeros(2, 64), q, 1.0, dkv_kernel="gluon")
-    assert "SM90" in tb.gluon_pass1_unavailable(q)

@@ -107,7 +107,7 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
 
 
 @pytest.mark.skipif(tb.gluon_pass1_unavailable(torch.zeros(1, 64, 512, device=DEV, dtype=torch.bfloat16)) is not None,
-                    reason="the Gluon pass 1 needs an SM90 GPU and a Triton with Gluon")
+                    reason="the Gluon pass 1 needs an SM90 GPU and a tested Triton release with Gluon")
 @pytest.mark.parametrize("mode", ["idx+ranges", "idx", "ranges"])
 @pytest.mark.parametrize("H,budget", [(64, None), (64, 50_000), (128, 50_000)])
 def test_gluon_pass1_matches_float64(H, budget, mode):
