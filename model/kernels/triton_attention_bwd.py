@@ -26,6 +26,8 @@ Measured on the H200 in ``benchmarks/results/attention_h200.md``.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -190,6 +192,7 @@ def slot_count(ranges: torch.Tensor | None, n_idx: int, BN: int) -> int:
 # Triton releases the Gluon pass 1 was built and tested with. Gluon is Triton's lower-level dialect
 # and its API still changes between releases: elsewhere "auto" takes the Triton pass 1 (and says why).
 GLUON_TESTED_TRITON = ("3.6.",)
+_UNTESTED_TRITON_SAID: list[str] = []
 
 
 def gluon_pass1_unavailable(q: torch.Tensor, explicit: bool = False) -> str | None:
@@ -238,6 +241,9 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
         why = gluon_pass1_unavailable(q, explicit=dkv_kernel == "gluon")
         if why and dkv_kernel == "gluon":
             raise ValueError(f"dkv_kernel='gluon' {why}; use dkv_kernel='triton' or 'auto'")
+        if why and "tested with Triton" in why and not _UNTESTED_TRITON_SAID:
+            _UNTESTED_TRITON_SAID.append(why)  # this GPU could run it: say once why the slower pass 1 runs
+            warnings.warn(f"sparse-attention backward: the Gluon pass 1 {why}; using the Triton pass 1", stacklevel=2)
         dkv_kernel = "triton" if why else "gluon"
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
