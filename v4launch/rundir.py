@@ -194,9 +194,10 @@ def read_run_json(run_dir: Path) -> dict[str, Any]:
             why = f"cannot read {path.name}: {getattr(exc, 'strerror', None) or exc}"
         runs = sorted(p.name for p in Path(run_dir).parent.glob("*") if (p / path.name).is_file())[-3:]
         raise UsageError(f"{run_dir} is not a run directory ({why})",
-                         hint="pass a directory created by `v4launch run` or `v4launch submit`"
+                         hint="pass a directory created by `v4launch run` or `v4launch submit`, or its name under "
+                              "the workspace's runs/"
                               + (f"; the newest beside it: {', '.join(runs)}" if runs else
-                                 ", e.g. runs/tiny_cpu-20260101-120000")) from None
+                                 ", e.g. runs/tiny_cpu-20260101-120000 or tiny_cpu-20260101-120000")) from None
 
 
 @dataclass(frozen=True)
