@@ -198,13 +198,15 @@ _UNTESTED_TRITON_SAID: list[str] = []
 def gluon_pass1_unavailable(q: torch.Tensor, explicit: bool = False) -> str | None:
     """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q, or None when it
     can: it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of
-    64, bf16 / fp16, and a Triton with Gluon; unless ``explicit`` (the caller asked for it by name),
+    64, bf16 / fp16, 128-row pass-1 tiles and a Triton with Gluon; unless ``explicit`` (the caller asked for it by name),
     also a Triton release in ``GLUON_TESTED_TRITON``."""
     H, D = q.shape[1], q.shape[2]
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "needs an SM90 GPU (H100 / H200)"
     if D != 512 or H % HEAD_BLOCK or q.dtype not in (torch.bfloat16, torch.float16):
         return f"needs D = 512, heads % {HEAD_BLOCK} == 0 and bf16 / fp16, got {q.dtype} {tuple(q.shape)}"
+    if CONFIGS["dkv"]["BN"] != 128:  # its 8 warps x 16 rows; the dS slots pass 2 reads follow BN
+        return f"needs pass-1 tiles of 128 kv rows, CONFIGS['dkv'] has BN = {CONFIGS['dkv']['BN']}"
     try:
         from . import gluon_attention_bwd  # noqa: F401
     except (ImportError, AttributeError) as exc:  # no Gluon, or one whose API moved
@@ -228,8 +230,8 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     incomplete gradients. ``dkv_kernel`` picks pass 1: "gluon" (``gluon_attention_bwd``, whole-line
     dKV reductions, 10% faster on the H200 at 64K), "triton" (``_dkv_pass`` here), or "auto" (gluon
     where :func:`gluon_pass1_unavailable` says it can run on a tested Triton release, else triton).
-    Raises ValueError when
-    :func:`supported` is false for q, a pass name or ``dkv_kernel`` is unknown, or "gluon" cannot run."""
+    Raises ValueError when :func:`supported` is false for q, a pass name or ``dkv_kernel`` is
+    unknown, or "gluon" cannot run."""
     if set(passes) - {"dkv", "dq"}:
         raise ValueError(f"passes={passes!r}: each must be 'dkv' (pass 1) or 'dq' (pass 2)")
     if dkv_kernel not in ("auto", "gluon", "triton"):

@@ -44,3 +44,18 @@ def test_auto_takes_the_gluon_pass1_only_on_a_tested_triton(monkeypatch):
         assert "tested with Triton 3.6.x, this is 3.99.0" in why_auto
     monkeypatch.setattr(triton, "__version__", tb.GLUON_TESTED_TRITON[0] + "1")
     assert tb.gluon_pass1_unavailable(q) == why_named
+
+
+def test_gluon_pass1_needs_128_row_tiles(monkeypatch):
+    """The sweep may set 64-row pass-1 tiles; the Gluon kernel is built for 128 (8 warps x 16 rows),
+    so it is then not taken, with the reason."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from v4launch.model.kernels import triton_attention_bwd as tb
+
+    q = SimpleNamespace(shape=(8, 64, 512), is_cuda=True, device="cuda:0", dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(tb.CONFIGS, "dkv", dict(tb.CONFIGS["dkv"], BN=64))
+    assert "128 kv rows" in tb.gluon_pass1_unavailable(q, explicit=True)
