@@ -1,6 +1,7 @@
 """Pass 1 of the two-pass sparse-attention backward in Gluon (SM90): dKV and dS with whole-line
 dKV reductions. ``triton_attention_bwd.attention_bwd`` runs it on an H100/H200 for D = 512 (the V4
-head size) and falls back to the Triton pass 1 elsewhere (:func:`supported`).
+head size) with the Triton release it was tested with, and the Triton pass 1 elsewhere
+(``triton_attention_bwd.gluon_pass1_unavailable`` says why).
 
 Same math, tiles and dS slot layout as ``triton_attention_bwd._dkv_pass``: one program = one query t
 and one head block of BH = 64; the BN = 128 kv rows of a candidate tile are the wgmma M dimension;
