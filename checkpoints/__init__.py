@@ -4,7 +4,7 @@ Imports ``v4launch.validators``; torch only when a name from dcp.py or stateful.
 so listing checkpoints (``v4launch status``) stays fast. Layout and verdict table: docs/checkpoints.md.
 
     base.py      the contract: STATE_KEYS, Manifest, CheckpointStorage, param-group summaries
-    listing.py   is_complete / list_checkpoints / latest_checkpoint (filesystem only)
+    listing.py   is_complete / list_checkpoints / latest_checkpoint / list_set_aside (filesystem only)
     dcp.py       save_checkpoint / load_checkpoint / prune (atomic, reshardable)
     stateful.py  ModelState / OptimizerState: FQN-keyed Stateful wrappers for DCP
     compat.py    check_resume -> CompatReport (safe / reshard / refused + override flag)
@@ -25,7 +25,7 @@ from .base import (
     summarize_param_groups,
 )
 from .compat import ALLOW_FLAGS, CompatItem, CompatReport, check_resume
-from .listing import is_complete, latest_checkpoint, list_checkpoints, step_dir_name
+from .listing import SET_ASIDE_PREFIX, is_complete, latest_checkpoint, list_checkpoints, list_set_aside, step_dir_name
 
 _LAZY = {"DCPStorage": "dcp", "load_checkpoint": "dcp", "prune": "dcp", "save_checkpoint": "dcp",
          "ModelState": "stateful", "OptimizerState": "stateful"}  # these import torch

@@ -15,6 +15,9 @@ from .base import CheckpointError, Manifest
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 METADATA_NAME = ".metadata"
+# A rollback (``v4launch resume --checkpoint``) renames the newer checkpoints with this prefix: kept,
+# never a ``step_*`` name, so never taken for the latest.
+SET_ASIDE_PREFIX = "abandoned-"
 
 
 def step_dir_name(step: int) -> str:
@@ -52,3 +55,9 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     """The complete checkpoint with the highest step under ``ckpt_root``, or None if there is none."""
     found = list_checkpoints(ckpt_root)
     return found[-1] if found else None
+
+
+def list_set_aside(ckpt_root: Path) -> list[str]:
+    """Names of the checkpoint directories a rollback set aside under ``ckpt_root``, sorted."""
+    root = Path(ckpt_root)
+    return sorted(p.name for p in root.glob(f"{SET_ASIDE_PREFIX}*")) if root.is_dir() else []

@@ -87,11 +87,12 @@ def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
 
 def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
     """Print the run's state (rich table, or JSON with --json)."""
+    from ..checkpoints.listing import list_set_aside
     from ..launchers import launcher_for
 
     run_dir = resolve_run(run)
     st = launcher_for(run_dir).status(run_dir)
-    set_aside = sorted(p.name for p in (run_dir / "checkpoints").glob("abandoned-*"))  # by resume --checkpoint
+    set_aside = list_set_aside(run_dir / "checkpoints")  # by resume --checkpoint
     if json_out:
         OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
                   "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None,

@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..checkpoints.listing import SET_ASIDE_PREFIX
 from ..errors import RefusedError, UsageError
 
 
@@ -140,9 +141,9 @@ def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, 
         path = root / step_dir_name(int(which))
     else:
         path = Path(which) if ("/" in which or Path(which).exists()) else root / which  # a bare name: this run's
-    if path.name.startswith("abandoned-"):
+    if path.name.startswith(SET_ASIDE_PREFIX):
         raise UsageError(f"--checkpoint {which}: {path.name} was set aside by an earlier rollback",
-                         hint=f"rename it back to {path.name.removeprefix('abandoned-').split('-')[0]} to use it, "
+                         hint=f"rename it back to {path.name.removeprefix(SET_ASIDE_PREFIX).split('-')[0]} to use it, "
                               f"or give {forms}")
     if not is_complete(path):
         raise UsageError(f"--checkpoint {which}: {path} is not a complete checkpoint of this run",
@@ -159,9 +160,9 @@ def set_aside(newer: tuple[Path, ...]) -> list[Path]:
     so no later resume or ``status`` takes them for the latest); returns the new paths."""
     moved = []
     for p in newer:
-        dest, k = p.with_name(f"abandoned-{p.name}"), 1
+        dest, k = p.with_name(f"{SET_ASIDE_PREFIX}{p.name}"), 1
         while dest.exists():
-            dest, k = p.with_name(f"abandoned-{p.name}-{k}"), k + 1
+            dest, k = p.with_name(f"{SET_ASIDE_PREFIX}{p.name}-{k}"), k + 1
         p.rename(dest)
         moved.append(dest)
     return moved
