@@ -196,8 +196,8 @@ _UNTESTED_TRITON_SAID: list[str] = []
 
 
 def gluon_pass1_unavailable(q: torch.Tensor, explicit: bool = False) -> str | None:
-    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q, or None when it
-    can: it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of
+    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q [T, H, D], or None
+    when it can (never raises): it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of
     64, bf16 / fp16, 128-row pass-1 tiles and a Triton with Gluon; unless ``explicit`` (the caller asked for it by name),
     also a Triton release in ``GLUON_TESTED_TRITON``."""
     H, D = q.shape[1], q.shape[2]
