@@ -196,10 +196,11 @@ _UNTESTED_TRITON_SAID: list[str] = []
 
 
 def gluon_pass1_unavailable(q: torch.Tensor, explicit: bool = False) -> str | None:
-    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q [T, H, D], or None
-    when it can (never raises): it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma), D == 512, heads a multiple of
-    64, bf16 / fp16, 128-row pass-1 tiles and a Triton with Gluon; unless ``explicit`` (the caller asked for it by name),
-    also a Triton release in ``GLUON_TESTED_TRITON``."""
+    """Why the Gluon pass 1 (``gluon_attention_bwd._dkv_pass``) should not run for q [T, H, D], or
+    None when it can (never raises): it needs a CUDA tensor on an SM90 GPU (H100 / H200: wgmma),
+    D == 512, heads a multiple of 64, bf16 / fp16, 128-row pass-1 tiles and a Triton with Gluon;
+    unless ``explicit`` (the caller asked for it by name), also a Triton release in
+    ``GLUON_TESTED_TRITON``."""
     H, D = q.shape[1], q.shape[2]
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return "needs an SM90 GPU (H100 / H200)"
