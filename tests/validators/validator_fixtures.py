@@ -67,6 +67,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-PP-LAYOUT": (["parallel.pp_layout=Et*3|t*4mL"], []),
     "V4-PP-HASH-FIRST": (["model.moe.n_hash_layers=5"], ["model.moe.n_hash_layers=4"]),
     "V4-PP-BALANCE": (["parallel.pp_layout=Et|t*7mL"], []),
+    # a vocabulary that makes the lone L stage as costly as a decoder stage, so only this rule trips
+    "V4-PP-MTP-WITH-LOSS": (["parallel.pp=4", "parallel.pp_layout=Et*4|t*4|m|L", "model.vocab_size=9216"], []),
     "V4-PHASE-INDEXER-LOSS": (["attention.indexer_loss_coeff=0"], []),
     "V4-PHASE-DENSE-NO-INDEXER": (["curriculum.stages.0.indexer_loss=dense"], []),
     "V4-PHASE-ORDER": (["curriculum.stages.3.phase=dense"], []),

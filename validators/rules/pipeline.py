@@ -43,6 +43,26 @@ def check_layout_structure(ctx: Context):
     return found or ctx.ok("parallel.pp_layout", p.pp_layout, f"{len(ctx.layout.stages)} stages")
 
 
+@rule("V4-PP-MTP-WITH-LOSS", fields=("parallel.pp_layout", "model.mtp.depth"), scope="recipe",
+      fix="put every 'm' in the last virtual stage, right before 'L' (e.g. …|t*9mL)")
+def check_mtp_with_loss(ctx: Context):
+    """The MTP layers 'm' share the last virtual stage with the loss 'L'.
+
+    The bundled job runs the MTP layers beside the head they share with the main model and reads the
+    main model's final mHC streams there (docs/parallelism.md "Pipeline parallel").
+    Source: released inference/model.py (MTPBlock reuses embed and head); docs/parallelism.md.
+    """
+    if ctx.model.mtp.depth == 0 or ctx.layout is None:
+        return ctx.na("no MTP layers" if ctx.model.mtp.depth == 0 else "no parsed layout")
+    last = len(ctx.layout.stages) - 1
+    holders = sorted({i for i, stage in enumerate(ctx.layout.stages) if "m" in stage})
+    if holders != [last] or "L" not in ctx.layout.stages[last]:
+        return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
+                           f"MTP layers sit in virtual stage(s) {holders}, the loss L in stage "
+                           f"{[i for i, s in enumerate(ctx.layout.stages) if 'L' in s]}; the job needs them together in the last")
+    return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout)
+
+
 @rule("V4-PP-HASH-FIRST", fields=("parallel.pp_layout", "model.moe.n_hash_layers"), scope="recipe",
       fix="move stage boundaries so the first stage holds E and all hash-routed layers")
 def check_hash_first(ctx: Context):
