@@ -221,7 +221,8 @@ class MoE(nn.Module):
         if self.training:
             self.expert_counts += counts
         token_of = order // self.topk  # [T*K] token of each sorted slot
-        x_local, local_counts, ctx = self.dispatcher.dispatch(x[token_of], counts)
+        xs = x[token_of].to(_compute_dtype(x))  # [T*K, dim]; cast before dispatch: bf16 rows under autocast
+        x_local, local_counts, ctx = self.dispatcher.dispatch(xs, counts)
         y_local = run_local_experts(list(self.experts.values()), x_local, local_counts)
         ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
         acc = acc_dtype(x.dtype)

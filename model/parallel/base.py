@@ -1,4 +1,4 @@
-"""Context-parallel (CP) interface of the model and its single-device default.
+"""Context-parallel (CP) interface of the model and its single-device default; the expert dispatcher default.
 
 Spec: seed 000 §5 (contiguous partition, left boundary exchange, compressed ownership,
 all-gather, logical -> physical lowering) and style "For v4launch" rule 2: math

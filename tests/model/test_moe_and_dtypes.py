@@ -9,6 +9,7 @@ import torch
 from v4_helpers import build, packed_batch, randomize, tiny_args
 from v4launch.model import V4Model
 from v4launch.model.moe import Expert, MoE, run_local_experts, sequence_balance_loss
+from v4launch.model.parallel import ExpertDispatch
 
 E, K = 8, 2
 
@@ -166,3 +167,25 @@ def test_routed_experts_keep_released_names_in_a_module_dict_keyed_by_global_id(
     moe = MoE(1, tiny_args())
     assert list(moe.experts.keys()) == [str(e) for e in range(moe.n_experts)]
     assert "experts.3.w2.weight" in dict(moe.named_parameters())
+
+
+def test_rows_reach_the_dispatcher_sorted_by_expert_in_the_compute_dtype(gen):
+    """Under autocast the rows travel in bf16 (half the all-to-all bytes); counts cover all T*K slots."""
+    args = tiny_args()
+    moe = MoE(1, args)
+    randomize(moe, gen)
+    seen = []
+
+    class Recording(ExpertDispatch):
+        def dispatch(self, x_sorted, counts):
+            seen.append((x_sorted.dtype, counts.tolist()))
+            return super().dispatch(x_sorted, counts)
+
+    moe.dispatcher = Recording()
+    T, zeros = 7, torch.zeros(7, dtype=torch.long)
+    x = torch.randn(T, args.dim, generator=gen)
+    moe(x, zeros, zeros, 1)
+    with torch.autocast("cpu", torch.bfloat16):
+        y, _ = moe(x, zeros, zeros, 1)
+    assert [d for d, _ in seen] == [torch.float32, torch.bfloat16] and y.dtype == torch.float32
+    assert all(sum(c) == T * args.n_activated_experts and len(c) == args.n_routed_experts for _, c in seen)
