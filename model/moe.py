@@ -1,14 +1,18 @@
 """Mixture of experts: sqrtsoftplus router (learned or hash), SwiGLU experts, balance loss.
 
 Spec: reference/v4-model-spec.md §3 "Router", "Expert (SwiGLU with clamp)",
-"Load balancing"; seed 004 item 7a (sequence-wise loss, magnitude pinned).
-Upstream: ``Gate``, ``Expert`` and ``MoE`` in the released ``inference/model.py``
-(shared expert clamped, as since 2026-04-27).
+"Load balancing"; seed 004 item 7a (sequence-wise loss, magnitude pinned);
+docs/parallelism.md "Expert parallel". Upstream: ``Gate``, ``Expert`` and ``MoE`` in the
+released ``inference/model.py`` (shared expert clamped, as since 2026-04-27).
 
 Router: ``s = sqrt(softplus(x W^T))`` in float32; experts = top-k of ``s + bias``
 (learned layers) or ``tid2eid[token]`` (the first ``n_hash_layers`` layers); weights =
 ``s`` at the chosen experts, divided by their sum, times ``route_scale``. The bias is
 a no-grad buffer moved by :meth:`MoE.update_bias` (aux-loss-free balancing).
+
+Routed experts: one :class:`Expert` module each (released names ``experts.<id>.w1`` ...),
+held in a ``ModuleDict`` keyed by the GLOBAL expert id so an expert-parallel rank keeps
+only its own. The local experts run as one grouped GEMM (:func:`run_local_experts`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .common import FP32Pinned, acc_dtype, linear
+from .parallel.base import SINGLE_DEVICE_EXPERTS, ExpertDispatch
 
 
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torch.Tensor, n_segments: int,
@@ -46,7 +51,8 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     counts = torch.zeros(n_segments, n_experts, dtype=scores.dtype, device=scores.device).index_add_(0, seg, chosen)
     p_norm = scores / scores.sum(dim=-1, keepdim=True)
     p_sum = torch.zeros_like(counts).index_add_(0, seg, p_norm)  # [N, E]
-    t_b = torch.bincount(seg, minlength=n_segments).to(scores.dtype)  # [N]
+    t_b = torch.zeros(n_segments, dtype=scores.dtype, device=scores.device).index_add_(
+        0, seg, torch.ones_like(seg, dtype=scores.dtype))  # [N] tokens per segment (bincount would host-sync on CUDA)
     if cp is not None and cp.size > 1:
         counts, t_b = cp.sum_counts(counts), cp.sum_counts(t_b)  # global f and T_b (no gradient)
         per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # this rank's share of P
@@ -89,6 +95,8 @@ class Expert(nn.Module):
     """SwiGLU expert: ``w2((silu(min(w1 x, L)) * clamp(w3 x, -L, L)) * weight)``.
 
     The routing weight multiplies before ``w2``; gate/up math in float32. L = 0 disables the clamp.
+    (``MoE`` runs its routed experts through :func:`run_local_experts` and applies the routing
+    weight to the ``w2`` output instead: ``w2`` is linear, so the math is the same.)
     """
 
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float) -> None:
@@ -100,32 +108,106 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [n, dim], weights [n, 1] or None -> [n, dim] in x's dtype."""
-        acc = acc_dtype(x.dtype)
-        gate, up = linear(x, self.w1).to(acc), linear(x, self.w3).to(acc)
-        if self.limit > 0:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        h = F.silu(gate) * up
+        h = swiglu(linear(x, self.w1), linear(x, self.w3), self.limit)
         if weights is not None:
             h = h * weights
         return linear(h.to(x.dtype), self.w2)
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, L)) * clamp(up, -L, L)`` in the accumulation dtype (L = 0: no clamp).
+
+    gate, up [n, inter] (any float dtype) -> [n, inter] float32 (float64 for float64 input).
+    Source: upstream ``Expert.forward`` (spec §3 "Expert (SwiGLU with clamp)").
+    """
+    acc = acc_dtype(gate.dtype)
+    gate, up = gate.to(acc), up.to(acc)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def grouped_mm_applies(x: torch.Tensor, dim: int, inter_dim: int) -> bool:
+    """True when :func:`run_local_experts` takes the grouped-GEMM path by default.
+
+    That is bf16 compute (x's dtype or autocast's) on a CUDA device of compute capability
+    >= 9.0 (Hopper's grouped GEMM kernel), with ``dim`` and ``inter_dim`` multiples of 8 (the
+    kernel needs 16-byte aligned row strides). Everything else takes the per-expert loop.
+    """
+    if not x.is_cuda or _compute_dtype(x) != torch.bfloat16 or dim % 8 or inter_dim % 8:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tensor,
+                      grouped: Optional[bool] = None) -> torch.Tensor:
+    """Unweighted SwiGLU outputs of rows grouped by expert: ``w2(swiglu(w1 x, w3 x))`` per row.
+
+    Args:
+        experts: the E_l experts, in the order of the row groups.
+        x: [M, dim] rows; the first ``counts[0]`` go to ``experts[0]``, and so on.
+        counts: [E_l] int64 rows per expert (on x's device; ``counts.sum() == M``).
+        grouped: True = one ``torch._grouped_mm`` per weight over the stacked expert weights
+            (on the CPU it needs float32/bf16 and 16-byte aligned rows); False = a loop of
+            per-expert matmuls (reads ``counts`` on the host); None = :func:`grouped_mm_applies`.
+    Returns: [M, dim] in the compute dtype (x's, or autocast's). Every expert is part of
+        the graph (zero rows included), so each one gets a gradient tensor; it is zero
+        exactly when the expert got no rows.
+    The grouped path never synchronises with the host: offsets = int32 cumsum of ``counts``.
+    """
+    if grouped is None:
+        grouped = grouped_mm_applies(x, experts[0].w1.weight.shape[1], experts[0].w1.weight.shape[0])
+    if not grouped:
+        outs = [expert(rows) for expert, rows in zip(experts, x.split(counts.tolist()))]
+        return torch.cat(outs) if outs else x
+    dtype = _compute_dtype(x)
+    limit = experts[0].limit
+
+    def stacked(name: str) -> torch.Tensor:  # [E_l, out, in] -> [E_l, in, out] (column-major view)
+        return torch.stack([getattr(e, name).weight.to(dtype) for e in experts]).transpose(-2, -1)
+
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
+    xc = x.to(dtype)
+    h = swiglu(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
+               torch._grouped_mm(xc, stacked("w3"), offs=offsets), limit)  # [M, inter] acc dtype
+    return torch._grouped_mm(h.to(dtype), stacked("w2"), offs=offsets)
+
+
 class MoE(nn.Module):
     """Routed experts + one shared expert. x [T, dim] -> (y [T, dim], balance loss 0-d).
 
-    Every expert runs (possibly on zero rows) so each gets a gradient tensor every step.
-    Expert token counts of forwards in training mode accumulate in ``expert_counts``
-    (non-persistent buffer) for :meth:`update_bias`.
+    ``experts``: ``ModuleDict`` of :class:`Expert` keyed by global expert id ("0" .. "E-1");
+    under expert parallelism only this rank's ids remain (``parallel.apply_expert_parallel``).
+    ``dispatcher``: the :class:`parallel.base.ExpertDispatch` moving rows to the rank of
+    their expert (default: the single-device identity).
+
+    Every local expert runs (possibly on zero rows) so each gets a gradient tensor every
+    step. The routing weight is applied in the accumulation dtype to each routed expert's
+    ``w2`` output (upstream applies it before ``w2``; ``w2`` is linear, so the math is the
+    same). Expert token counts of forwards in training mode accumulate in ``expert_counts``
+    [E] (non-persistent buffer; every rank counts its own tokens over ALL E experts) for
+    :meth:`update_bias`.
+
+    Host syncs on CUDA: none with the default dispatcher and the grouped-GEMM path; the
+    expert-parallel dispatcher reads its all-to-all split sizes on the host once per forward;
+    the per-expert loop (CPU, float32/float64) reads ``counts`` once.
     """
 
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.n_experts, self.topk = args.n_routed_experts, args.n_activated_experts
         self.gate = Gate(layer_id, args)
-        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
-                                     for _ in range(self.n_experts))
+        self.experts = nn.ModuleDict({str(e): Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
+                                      for e in range(self.n_experts)})
         self.shared_experts = (Expert(args.dim, args.moe_inter_dim, args.swiglu_limit)
                                if args.n_shared_experts else None)
+        self.dispatcher: ExpertDispatch = SINGLE_DEVICE_EXPERTS
         self.register_buffer("expert_counts", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seg: torch.Tensor,
@@ -134,15 +216,18 @@ class MoE(nn.Module):
         weights, indices, scores = self.gate(x, token_ids)  # [T, K], [T, K], [T, E]
         flat = indices.flatten()  # [T*K]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))  # [E] (torch.bincount would host-sync on CUDA)
         if self.training:
             self.expert_counts += counts
         token_of = order // self.topk  # [T*K] token of each sorted slot
-        xs, ws = x[token_of], weights.flatten()[order, None]  # [T*K, dim], [T*K, 1]
-        outs = [expert(xe, we) for expert, xe, we in
-                zip(self.experts, xs.split(counts.tolist()), ws.split(counts.tolist()))]
-        y = torch.zeros(x.shape, dtype=acc_dtype(x.dtype), device=x.device)
-        y = y.index_add(0, token_of, torch.cat(outs).to(y.dtype))
+        xs = x[token_of].to(_compute_dtype(x))  # [T*K, dim]; cast before dispatch: bf16 rows under autocast
+        x_local, local_counts, ctx = self.dispatcher.dispatch(xs, counts)
+        y_local = run_local_experts(list(self.experts.values()), x_local, local_counts)
+        ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
+        acc = acc_dtype(x.dtype)
+        ws = weights.flatten()[order, None].to(acc)  # [T*K, 1]
+        y = torch.zeros(x.shape, dtype=acc, device=x.device).index_add(0, token_of, ys.to(acc) * ws)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).to(y.dtype)
         loss = sequence_balance_loss(scores, indices, seg, n_segments, self.n_experts, cp)

@@ -1,4 +1,4 @@
-"""Context-parallel (CP) interface of the model and its single-device default.
+"""Context-parallel (CP) interface of the model and its single-device default; the expert dispatcher default.
 
 Spec: seed 000 §5 (contiguous partition, left boundary exchange, compressed ownership,
 all-gather, logical -> physical lowering) and style "For v4launch" rule 2: math
@@ -103,3 +103,41 @@ class ContextParallel:
 
 SINGLE_DEVICE = ContextParallel()
 """The shared no-op instance (the default of ``V4Model(cp=None)``)."""
+
+
+class ExpertDispatch:
+    """Routed-expert dispatcher of :class:`model.moe.MoE`; this default is the single-device identity.
+
+    ``MoE`` sorts its T*K (token, expert) slots by expert id and hands the rows to
+    :meth:`dispatch`; it runs its LOCAL experts (those left in ``MoE.experts``) on what comes
+    back and hands their outputs to :meth:`combine`. An expert-parallel implementation
+    (``model.parallel.expert.ExpertParallelDispatch``) overrides both with the same
+    signatures; it must be called by every rank of its group in the same order.
+
+    Attributes:
+        ep: number of ranks the routed experts are spread over (1 here).
+        ep_rank: this rank's index among them (0 here).
+    """
+
+    ep: int = 1
+    ep_rank: int = 0
+
+    def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Send each row to the rank holding its expert.
+
+        Args:
+            x_sorted: [N, dim] rows sorted by global expert id (N = T*K of this rank).
+            counts: [E] int64, rows per global expert (``counts.sum() == N``).
+        Returns:
+            x_local [M, dim]: the rows for this rank's E/ep experts, grouped by local expert;
+            local_counts [E/ep] int64: rows per local expert; ctx: what :meth:`combine` needs.
+        """
+        return x_sorted, counts, None
+
+    def combine(self, y_local: torch.Tensor, ctx: object) -> torch.Tensor:
+        """Expert outputs [M, dim] (order of ``dispatch``'s x_local) -> [N, dim] in x_sorted's order."""
+        return y_local
+
+
+SINGLE_DEVICE_EXPERTS = ExpertDispatch()
+"""The shared no-op dispatcher (the default of every ``MoE``)."""

@@ -1,12 +1,15 @@
-"""Balance-loss magnitude (seed 004 item 7a), router bias update, SwiGLU clamp, FP32 pinning."""
+"""Balance-loss magnitude (seed 004 item 7a), router bias update, SwiGLU clamp, FP32 pinning;
+routed experts: grouped GEMM vs per-expert loop vs plain matmuls, zero-row experts, gradient topology."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from v4_helpers import build, packed_batch, tiny_args
+from v4_helpers import build, packed_batch, randomize, tiny_args
 from v4launch.model import V4Model
-from v4launch.model.moe import Expert, sequence_balance_loss
+from v4launch.model.moe import Expert, MoE, run_local_experts, sequence_balance_loss
+from v4launch.model.parallel import ExpertDispatch
 
 E, K = 8, 2
 
@@ -82,3 +85,107 @@ def assert_sub_cast_pins() -> bool:
     model = V4Model(tiny_args(), "dense")
     attn = model.layers[2].attn.bfloat16()
     return attn.attn_sink.dtype == torch.float32 and attn.compressor.ape.dtype == torch.float32
+
+
+def _plain_swiglu(x, w1, w3, w2, limit):
+    """Independent per-expert reference in float64: w2 (silu(min(w1 x, L)) * clamp(w3 x, -L, L))."""
+    x, w1, w3, w2 = (t.double() for t in (x, w1, w3, w2))
+    gate, up = (x @ w1.T).clamp(max=limit), (x @ w3.T).clamp(-limit, limit)
+    return (gate * torch.sigmoid(gate) * up) @ w2.T
+
+
+def _experts(n, dim, inter, gen, dtype):
+    experts = [Expert(dim, inter, swiglu_limit=1.5).to(dtype) for _ in range(n)]
+    for e in experts:
+        randomize(e, gen, std=0.5)
+    return experts
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_local_experts_match_plain_matmuls_with_an_empty_expert(grouped, gen):
+    """float32 on the CPU: outputs and gradients of both paths vs per-expert float64 matmuls.
+    Expert 1 gets no rows: its weight gradients exist and are exactly zero, every other's are not."""
+    dim, inter = 16, 24  # 16-byte aligned float32 rows, as torch._grouped_mm needs
+    experts = _experts(4, dim, inter, gen, torch.float32)
+    counts = torch.tensor([5, 0, 1, 7])
+    x = torch.randn(int(counts.sum()), dim, generator=gen).requires_grad_()
+    dy = torch.randn(int(counts.sum()), dim, generator=gen)
+    y = run_local_experts(experts, x, counts, grouped=grouped)
+    (y * dy).sum().backward()
+    start = 0
+    for e, (expert, n) in enumerate(zip(experts, counts.tolist())):
+        rows = slice(start, start + n)
+        start += n
+        w = [getattr(expert, k).weight.detach().double().requires_grad_() for k in ("w1", "w3", "w2")]
+        xr = x.detach()[rows].double().requires_grad_()
+        ref = _plain_swiglu(xr, *w, 1.5)
+        (ref * dy[rows].double()).sum().backward()
+        assert torch.allclose(y[rows].double(), ref, rtol=1e-4, atol=1e-5), e
+        assert torch.allclose(x.grad[rows].double(), xr.grad, rtol=1e-4, atol=1e-5), e
+        for k, wr in zip(("w1", "w3", "w2"), w):
+            g = getattr(expert, k).weight.grad
+            assert g is not None and torch.allclose(g.double(), wr.grad, rtol=1e-4, atol=1e-5), (e, k)
+            assert bool((g == 0).all()) == (n == 0), (e, k)
+
+
+def test_grouped_and_loop_paths_agree(gen):
+    experts = _experts(3, 8, 16, gen, torch.float32)
+    counts = torch.tensor([0, 6, 3])
+    x = torch.randn(9, 8, generator=gen)
+    grouped, loop = (run_local_experts(experts, x, counts, grouped=g) for g in (True, False))
+    assert torch.allclose(grouped, loop, rtol=1e-5, atol=1e-6)
+    assert run_local_experts(experts, x[:0], torch.zeros(3, dtype=torch.long), grouped=True).shape == (0, 8)
+
+
+def test_moe_equals_dense_per_token_sum_and_zero_row_experts_get_zero_grads(gen):
+    """float64 MoE vs y_t = shared(x_t) + sum_k w_tk expert_{i_tk}(x_t) written token by token.
+    Expert 0 is never chosen (bias -1e3): its grads are exactly zero, and it is still counted (0)."""
+    args = tiny_args()
+    moe = MoE(1, args).double()
+    randomize(moe, gen)
+    moe.gate.bias.zero_()
+    moe.gate.bias[0] = -1e3
+    T = 11
+    x = torch.randn(T, args.dim, generator=gen, dtype=torch.float64).requires_grad_()
+    seg = torch.zeros(T, dtype=torch.long)
+    y, _ = moe(x, torch.zeros(T, dtype=torch.long), seg, 1)
+    weights, indices, _ = moe.gate(x.detach(), None)
+    for t in range(T):
+        ref = moe.shared_experts(x[t:t + 1].detach())[0]
+        for k in range(args.n_activated_experts):
+            ref = ref + weights[t, k] * moe.experts[str(int(indices[t, k]))](x[t:t + 1].detach())[0]
+        assert torch.allclose(y[t], ref, rtol=1e-12, atol=1e-12), t
+    (y * torch.randn(y.shape, generator=gen, dtype=torch.float64)).sum().backward()
+    counts = moe.expert_counts.tolist()
+    assert counts[0] == 0 and sum(counts) == T * args.n_activated_experts
+    for e, n in enumerate(counts):
+        grad = moe.experts[str(e)].w1.weight.grad
+        assert grad is not None and bool((grad == 0).all()) == (n == 0), (e, n)
+
+
+def test_routed_experts_keep_released_names_in_a_module_dict_keyed_by_global_id():
+    moe = MoE(1, tiny_args())
+    assert list(moe.experts.keys()) == [str(e) for e in range(moe.n_experts)]
+    assert "experts.3.w2.weight" in dict(moe.named_parameters())
+
+
+def test_rows_reach_the_dispatcher_sorted_by_expert_in_the_compute_dtype(gen):
+    """Under autocast the rows travel in bf16 (half the all-to-all bytes); counts cover all T*K slots."""
+    args = tiny_args()
+    moe = MoE(1, args)
+    randomize(moe, gen)
+    seen = []
+
+    class Recording(ExpertDispatch):
+        def dispatch(self, x_sorted, counts):
+            seen.append((x_sorted.dtype, counts.tolist()))
+            return super().dispatch(x_sorted, counts)
+
+    moe.dispatcher = Recording()
+    T, zeros = 7, torch.zeros(7, dtype=torch.long)
+    x = torch.randn(T, args.dim, generator=gen)
+    moe(x, zeros, zeros, 1)
+    with torch.autocast("cpu", torch.bfloat16):
+        y, _ = moe(x, zeros, zeros, 1)
+    assert [d for d, _ in seen] == [torch.float32, torch.bfloat16] and y.dtype == torch.float32
+    assert all(sum(c) == T * args.n_activated_experts and len(c) == args.n_routed_experts for _, c in seen)
