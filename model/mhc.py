@@ -15,17 +15,21 @@ from __future__ import annotations
 import torch
 
 from .common import acc_dtype
+from .matmul import low_dtype, project
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten streams and project: returns (flat [T, hc*dim], mixes [T, n_mix]) in acc dtype.
 
     ``mixes = (flat @ fn.T) * rsqrt(mean(flat**2) + norm_eps)`` (unweighted RMS norm over hc*dim).
+    bf16 streams: the product is a bf16 GEMM with float32 accumulation and output
+    (``matmul.project``); float32 / float64 streams: the plain product in that dtype.
     """
     acc = acc_dtype(x.dtype)
     flat = x.flatten(1).to(acc)  # [T, hc*dim]
     rs = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return flat, (flat @ fn.to(acc).t()) * rs
+    src = flat if low_dtype(x) is None else x.flatten(1)  # bf16 operand: no float32 copy in the GEMM
+    return flat, project(src, fn, acc) * rs
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
