@@ -333,13 +333,13 @@ def _ce(logits: HeadLogits | torch.Tensor, labels: torch.Tensor, cp: ContextPara
 
     ``logits``: the lazy head (chunked fused head + loss, ``loss.head_cross_entropy``) or a
     [T, vocab] tensor. Under CP: the sum over every rank's rows divided by the global count
-    (replicated)."""
-    n = cp.sum_int(int((labels != -100).sum()))
+    (replicated). The count stays on the device (``cp.sum_counts``): no host synchronisation."""
+    n = cp.sum_counts((labels != -100).sum())
     if isinstance(logits, HeadLogits):
         total = cp.sum_partial(logits.cross_entropy(labels))
     else:
         total = cp.sum_partial(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
-    return total / max(n, 1)
+    return total / n.clamp_min(1)
 
 
 def _init_param(name: str, p: torch.Tensor, std: float, gen: Optional[torch.Generator]) -> None:
