@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .common import acc_dtype
 from .matmul import LOW_PRECISION, low_dtype, mm_wide, project
@@ -32,6 +33,15 @@ from .matmul import LOW_PRECISION, low_dtype, mm_wide, project
 IGNORE = -100
 LOGIT_CHUNK_ELEMENTS = 1 << 28
 """Logits per chunk (rows x vocab): 1 GiB of float32 (2,076 rows at vocab 129,280)."""
+
+
+_FUSED = {"on": True}
+
+
+def set_fused_head(enabled: bool) -> None:
+    """On (default): :meth:`HeadLogits.cross_entropy` is the chunked fused loss. Off: the whole logits
+    tensor, then ``F.cross_entropy`` (for measuring the difference, ``train_step.py --no-fused-ce``)."""
+    _FUSED["on"] = bool(enabled)
 
 
 def chunk_rows_for(vocab: int, elements: int = LOGIT_CHUNK_ELEMENTS) -> int:
@@ -142,4 +152,6 @@ class HeadLogits:
 
     def cross_entropy(self, labels: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
         """Summed cross entropy over labels != -100 (:func:`head_cross_entropy`)."""
+        if not _FUSED["on"]:
+            return F.cross_entropy(self.materialize(), labels, ignore_index=IGNORE, reduction="sum")
         return head_cross_entropy(self.hidden, self.weight, labels, chunk_rows)

@@ -25,6 +25,15 @@ import torch.nn.functional as F
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
+_WIDE = {"on": True}
+
+
+def set_wide_gemm(enabled: bool) -> None:
+    """On (default): wide products of bf16 operands as above. Off: the former float32 GEMM of upcast
+    operands (for measuring the difference, e.g. ``benchmarks/train_step.py --no-wide-gemm``)."""
+    _WIDE["on"] = bool(enabled)
+
+
 _OUT_DTYPE_MM: dict[str, bool] = {}
 """Per device type: whether ``torch.mm(a, b, out_dtype=...)`` runs there (probed once, eagerly)."""
 
@@ -99,7 +108,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None = N
     if dtype is None:
         return F.linear(x, weight.to(x.dtype))
     low = low_dtype(x)
-    if low is None or dtype in LOW_PRECISION:
+    if low is None or dtype in LOW_PRECISION or not _WIDE["on"]:
         return F.linear(x.to(dtype), weight.to(dtype))
     with torch.autocast(x.device.type, enabled=False):
         return _WideLinear.apply(x, weight, low, dtype)

@@ -82,3 +82,16 @@ def test_model_losses_use_the_fused_head_and_return_logits_still_works(gen):
     torch.testing.assert_close(out.lm_loss, ref, rtol=1e-12, atol=1e-12)
     hidden = torch.randn(20, model.args.dim, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(HeadLogits(hidden, model.head.weight).materialize(), hidden @ model.head.weight.t())
+
+
+def test_switching_the_fused_head_off_gives_the_same_loss(gen):
+    from v4launch.model import loss as loss_mod
+
+    hidden, weight, labels = _case(gen)
+    fused = HeadLogits(hidden, weight).cross_entropy(labels)
+    loss_mod.set_fused_head(False)
+    try:
+        plain = HeadLogits(hidden, weight).cross_entropy(labels)
+    finally:
+        loss_mod.set_fused_head(True)
+    torch.testing.assert_close(fused, plain, rtol=1e-13, atol=1e-13)

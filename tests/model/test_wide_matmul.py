@@ -78,3 +78,13 @@ def test_mhc_mixing_of_bf16_streams_uses_the_wide_gemm(gen, monkeypatch):
                                  1e-6, 1e-6)
     torch.testing.assert_close(post.double(), post64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(comb.double(), comb64, rtol=1e-5, atol=1e-5)
+
+
+def test_switching_wide_gemms_off_restores_the_float32_product(gen):
+    x, w = _rand(gen, 4, 16, dtype=torch.bfloat16), _rand(gen, 3, 16)
+    matmul.set_wide_gemm(False)
+    try:
+        y = matmul.project(x, w, torch.float32)
+    finally:
+        matmul.set_wide_gemm(True)
+    assert torch.equal(y, F.linear(x.float(), w))
