@@ -1,13 +1,29 @@
-"""Whole training step of a ~1.1B-parameter V4-shaped model on one GPU: tokens/s and MFU.
+"""Whole training step of a ~1.1B-parameter V4-shaped model on one GPU: ms/step, tokens/s and MFU per phase.
 
-    python benchmarks/train_step.py [--tokens 8192] [--seg 4096] [--phase sparse] [--steps 3]
+    python benchmarks/train_step.py                                   # dense, warmup, sparse; kernels path
+    python benchmarks/train_step.py --phases sparse --paths reference,kernels
+    python benchmarks/train_step.py --compile                         # + regional torch.compile of each block
+    python benchmarks/train_step.py --no-wide-gemm --no-fused-ce --no-fused-mhc --cu-on-device   # levers off
+    python benchmarks/train_step.py --phases sparse --profile $OUT/prof   # trace + top kernels + CPU vs GPU
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
-1 shared, mHC 4, vocab 129280), bf16 parameters, fused AdamW. One step = forward +
-backward + optimizer step (+ router-bias update). Attention runs twice: the reference
-module, and the kernel path (``Attention.forward`` routed through
-``v4launch.model.kernels.attention_forward`` with the triton backend).
+1 shared, mHC 4, vocab 129280), bf16 parameters (hc_*, ape, sinks FP32-pinned), fused AdamW.
+One step = forward + backward + optimizer step + router-bias update, on ``--tokens`` tokens
+packed as segments of ``--seg``. Paths: ``reference`` (Attention.forward in plain PyTorch) and
+``kernels`` (``kernels.attention_forward`` with the triton backend).
+
+Levers (issue 17), each on by default and switchable for A/B measurements:
+  --no-wide-gemm   float32 products of bf16 activations as float32 GEMMs (matmul.set_wide_gemm)
+  --no-fused-ce    LM/MTP heads as a whole [T, vocab] float32 logits tensor (loss.set_fused_head)
+  --no-fused-mhc   eager mHC mixing on CUDA (mhc.set_fused_mixing)
+  --cu-on-device   cu_seqlens on the GPU (the model then reads it back: one more sync per forward)
+  --compile        compile.compile_blocks (off by default)
+
+Columns: ms/step (CUDA events, median of --steps), host ms (wall time until the host returns from
+the step without a final synchronisation; below ms/step = the host runs ahead), tokens/s,
+TFLOP/s, MFU against the bf16 matmul peak measured in this process (sustained: 8192^3 GEMMs
+back to back for ~1 s; burst: median of 10), peak memory.
 
 FLOPs per step (MFU numerator):
   6 * N_active * T                          (matmul params touched per token: everything
@@ -15,28 +31,41 @@ FLOPs per step (MFU numerator):
                                              counted at top-k / E; head and MTP included)
   + 12 * H * D * sum_t n_cand(t) per layer  (attention core fwd 4HD + bwd 8HD per candidate)
   + 2 * H_I * d_I * sum_t n_visible(t) per CSA layer (indexer scoring, forward only)
-MFU = FLOPs / step time / measured bf16 matmul peak (also given against 989 TFLOP/s datasheet).
+
+bf16 parity (``--parity-tokens``, 0 = off): one float32 model, reference path = the truth; the
+same weights in bf16 through each path. Error = relative error of the loss and relative L2
+error of all gradients against the truth; a kernel path passes when neither error exceeds
+1.5x the reference path's bf16 error (both paths round; a fixed limit would judge bf16 itself).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention import DEV, cuda_time, load_model_package, matmul_peak  # noqa: E402
+from attention import DEV, cuda_time, load_model_package  # noqa: E402
 
 M = load_model_package()
 from v4launch.model import ModelArgs, V4Model  # noqa: E402
+from v4launch.model import loss as loss_mod  # noqa: E402
+from v4launch.model import matmul, mhc  # noqa: E402
 from v4launch.model.attention import Attention  # noqa: E402
+from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.model.kernels import attention_forward, select_backend  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
+ORIGINAL_FORWARD = Attention.forward
+PARITY_LIMIT = 1.5
 
 
 def make_args() -> ModelArgs:
@@ -70,72 +99,243 @@ def flops_per_step(model: V4Model, args: ModelArgs, lengths: list[int]) -> tuple
     return f, dict(params=total, active=active, matmul_flops=6 * active * T, attn_flops=attn, indexer_flops=idx)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--seg", type=int, default=4096)
-    ap.add_argument("--phase", default="sparse", choices=["dense", "warmup", "sparse"])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--paths", default="reference,kernels")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--profile", action="store_true", help="torch.profiler table of one kernel-path step")
-    a = ap.parse_args()
-    peak = matmul_peak()
-    args = make_args()
-    torch.manual_seed(0)
-    model = V4Model(args, "dense").to(DEV)
-    if a.phase != "dense":
-        model.set_phase("warmup")
-        if a.phase == "sparse":
-            model.set_phase("sparse")
-    model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    T = a.tokens
-    lengths = [a.seg] * (T // a.seg) + ([T % a.seg] if T % a.seg else [])
-    tokens = torch.randint(0, args.vocab_size, (T,), device=DEV)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+# ------------------------------------------------------------------------------------ set-up
+def matmul_peaks(seconds: float = 1.0) -> tuple[float, float]:
+    """(sustained, burst) bf16 TFLOP/s of 8192^3 GEMMs: back to back for ~``seconds``, and median of 10."""
+    n = 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    burst_ms = cuda_time(lambda: a @ b, 10)
+    reps = max(10, int(seconds * 1e3 / burst_ms))
+    sustained_ms = cuda_time(lambda: [a @ b for _ in range(reps)], 1) / reps
+    return 2 * n ** 3 / sustained_ms / 1e9, 2 * n ** 3 / burst_ms / 1e9
+
+
+def make_batch(args: ModelArgs, T: int, seg: int, cu_on_device: bool, seed: int = 0):
+    """(tokens [T] on the GPU, cu_seqlens [N+1] int32 (CPU unless cu_on_device), max_seqlen, labels, lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [seg] * (T // seg) + ([T % seg] if T % seg else [])
+    tokens = torch.randint(0, args.vocab_size, (T,), generator=g)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     labels = torch.cat([tokens[1:], tokens.new_full((1,), -100)])
     labels[cu[1:].long() - 1] = -100
-    flop, parts = flops_per_step(model, args, lengths)
-    orig = Attention.forward
-    backend = select_backend("triton", DEV)
+    return tokens.to(DEV), (cu.to(DEV) if cu_on_device else cu), max(lengths), labels.to(DEV), lengths
+
+
+def build_model(args: ModelArgs, phase: str, dtype: torch.dtype) -> V4Model:
+    torch.manual_seed(0)
+    model = V4Model(args, "dense").to(DEV)
+    for later in ("warmup", "sparse")[: ("dense", "warmup", "sparse").index(phase)]:
+        model.set_phase(later)
+    return model.to(dtype)
+
+
+def use_path(path: str) -> None:
+    """Route Attention.forward through the reference module or the triton kernels."""
+    if path == "reference":
+        Attention.forward = ORIGINAL_FORWARD
+    else:
+        backend = select_backend("triton", torch.device(DEV))
+        Attention.forward = lambda self, x, ctx: attention_forward(self, x, ctx, backend)
+
+
+def total_loss(out):
+    return out.lm_loss + sum((1.0 if k.startswith("indexer") else 0.01 if k.startswith("balance") else 0.3) * v
+                             for k, v in out.aux_losses.items())
+
+
+def make_step(model: V4Model, batch):
+    tokens, cu, max_seqlen, labels, _ = batch
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
 
     def train_step():
-        out = model(tokens, cu, max(lengths), labels)
-        loss = out.lm_loss + sum((1.0 if k.startswith("indexer") else 0.01 if k.startswith("balance") else 0.3) * v
-                                 for k, v in out.aux_losses.items())
-        loss.backward()
+        total_loss(model(tokens, cu, max_seqlen, labels)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(1e-3)
-        return loss
+    return train_step
 
-    res = dict(peak_tflops=peak, tokens=T, segments=len(lengths), phase=a.phase, flops=flop, **parts, paths={})
+
+def host_ms(step, reps: int) -> float:
+    """Median wall time until the host returns from ``step`` (no synchronisation at the end)."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(ts)[len(ts) // 2]
+
+
+# ----------------------------------------------------------------------------------- measuring
+def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
+    """One (phase, path) row: a fresh bf16 model, warm-up steps, then the timed steps."""
+    args = make_args()
+    batch = make_batch(args, a.tokens, a.seg, a.cu_on_device)
+    torch._dynamo.reset()
+    use_path(path)
+    model = build_model(args, phase, torch.bfloat16)
+    if a.compile:
+        compile_blocks(model)
+    flop, parts = flops_per_step(model, args, batch[4])
+    step = make_step(model, batch)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(a.warmup):
+            step()
+        torch.cuda.synchronize()
+        warm_s = time.perf_counter() - t0
+        torch.cuda.reset_peak_memory_stats()
+        ms = cuda_time(step, a.steps)
+        host = host_ms(step, max(1, a.steps // 2))
+    except torch.OutOfMemoryError as e:
+        return dict(phase=phase, path=path, error=f"OOM {str(e)[:80]}")
+    tf = flop / ms / 1e9
+    row = dict(phase=phase, path=path, ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
+               mfu_sustained=tf / peaks[0], mfu_burst=tf / peaks[1], mfu_datasheet=tf / 989,
+               peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)
+    if a.profile and path == a.paths.split(",")[-1]:
+        row["profile"] = profile(step, phase, path, a)
+    del model, step
+    torch.cuda.empty_cache()
+    return row
+
+
+def profile(step, phase: str, path: str, a) -> dict:
+    """torch.profiler over ``--profile-steps`` steps: a Chrome trace, the top GPU kernels, CPU vs GPU time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    out = Path(a.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    n = a.profile_steps
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / f"trace_{phase}_{path}.json"))
+    events = prof.key_averages()
+    dev = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    gpu_ms = sum(dev(e) for e in events) / 1e3 / n
+    cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+    kernels = sorted((e for e in events if dev(e) > 0 and e.self_cpu_time_total == 0), key=dev, reverse=True)
+    top = [dict(name=e.key[:90], ms_per_step=dev(e) / 1e3 / n, calls_per_step=e.count / n,
+                share=dev(e) / 1e3 / n / gpu_ms if gpu_ms else 0.0) for e in kernels[:a.profile_top]]
+    table = events.table(sort_by="self_cuda_time_total", row_limit=a.profile_top, max_name_column_width=60)
+    (out / f"table_{phase}_{path}.txt").write_text(table)
+    print(f"\nprofile {phase}/{path}: CPU (host ops) {cpu_ms:.1f} ms/step, GPU (kernels) {gpu_ms:.1f} ms/step")
+    for k in top:
+        print(f"  {k['ms_per_step']:8.2f} ms {100 * k['share']:5.1f}%  x{k['calls_per_step']:<6.0f} {k['name']}")
+    return dict(cpu_ms_per_step=cpu_ms, gpu_ms_per_step=gpu_ms, top_kernels=top, trace=str(out))
+
+
+def _loss_and_grads(model: V4Model, batch) -> tuple[float, torch.Tensor]:
+    tokens, cu, max_seqlen, labels, _ = batch
+    loss = total_loss(model(tokens, cu, max_seqlen, labels))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    flat = torch.cat([(g if g is not None else torch.zeros_like(p)).double().flatten() for p, g in zip(params, grads)])
+    return float(loss.detach()), flat
+
+
+def parity(a) -> list[dict]:
+    """bf16 error of each path against the float32 reference path, judged relative to the reference's own."""
+    args = make_args()
+    batch = make_batch(args, a.parity_tokens, min(a.seg, a.parity_tokens), False, seed=1)
+    rows = []
+    use_path("reference")
+    model32 = build_model(args, a.parity_phase, torch.float32)
+    truth_loss, truth = _loss_and_grads(model32, batch)
     for path in a.paths.split(","):
-        Attention.forward = orig if path == "reference" else (lambda self, x, ctx: attention_forward(self, x, ctx, backend))
-        try:
-            train_step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            ms = cuda_time(train_step, a.steps)
-            tf = flop / ms / 1e9
-            res["paths"][path] = dict(ms=ms, tok_s=T / ms * 1e3, tflops=tf, mfu=tf / peak, mfu_datasheet=tf / 989,
-                                      peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30)
-        except torch.OutOfMemoryError as e:
-            res["paths"][path] = f"OOM {str(e)[:80]}"
-        print(path, res["paths"][path], flush=True)
-        if a.profile and path == "kernels" and isinstance(res["paths"][path], dict):
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                train_step()
-                torch.cuda.synchronize()
-            tab = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=50)
-            Path(a.out, "train_step_profile.txt").write_text(tab)
-            print(tab, flush=True)
-        torch.cuda.empty_cache()
-    Attention.forward = orig
-    Path(a.out, "train_step.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+        use_path(path)
+        model16 = copy.deepcopy(model32).to(torch.bfloat16)
+        loss, grads = _loss_and_grads(model16, batch)
+        rows.append(dict(path=path, loss=loss, truth_loss=truth_loss, loss_err=abs(loss - truth_loss) / abs(truth_loss),
+                         grad_err=float((grads - truth).norm() / truth.norm())))
+        del model16
+    ref = next((r for r in rows if r["path"] == "reference"), None)
+    for r in rows:
+        r["limit"] = None if ref is None else dict(loss_err=PARITY_LIMIT * ref["loss_err"],
+                                                   grad_err=PARITY_LIMIT * ref["grad_err"])
+        r["ok"] = None if ref is None else (r["loss_err"] <= r["limit"]["loss_err"]
+                                            and r["grad_err"] <= r["limit"]["grad_err"])
+    del model32
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------- report
+def print_table(rows: list[dict], peaks: tuple[float, float]) -> None:
+    print(f"\nbf16 matmul peak measured here: sustained {peaks[0]:.0f} TFLOP/s, burst {peaks[1]:.0f} TFLOP/s")
+    head = f"{'phase':7s} {'path':9s} {'ms/step':>8s} {'host ms':>8s} {'tokens/s':>9s} {'TFLOP/s':>8s} " \
+           f"{'MFU sust':>8s} {'MFU burst':>9s} {'peak GB':>8s}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['phase']:7s} {r['path']:9s} {r['error']}")
+            continue
+        print(f"{r['phase']:7s} {r['path']:9s} {r['ms']:8.1f} {r['host_ms']:8.1f} {r['tok_s']:9.0f} "
+              f"{r['tflops']:8.1f} {100 * r['mfu_sustained']:7.1f}% {100 * r['mfu_burst']:8.1f}% {r['peak_gb']:8.1f}")
+
+
+def print_parity(rows: list[dict]) -> None:
+    print(f"\nbf16 parity against the float32 reference path (limit: {PARITY_LIMIT}x the reference path's bf16 error)")
+    for r in rows:
+        verdict = "-" if r["ok"] is None else ("ok" if r["ok"] else "FAIL")
+        print(f"  {r['path']:9s} loss {r['loss']:.5f} (truth {r['truth_loss']:.5f}) loss err {r['loss_err']:.2e}  "
+              f"grad err {r['grad_err']:.2e}  {verdict}")
+
+
+def environment(a) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, commit=commit, args=vars(a))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--seg", type=int, default=4096)
+    ap.add_argument("--phases", default="dense,warmup,sparse")
+    ap.add_argument("--paths", default="kernels", help="comma list of reference,kernels")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, 4 with --compile)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (compile.compile_blocks)")
+    ap.add_argument("--no-wide-gemm", action="store_true")
+    ap.add_argument("--no-fused-ce", action="store_true")
+    ap.add_argument("--no-fused-mhc", action="store_true")
+    ap.add_argument("--cu-on-device", action="store_true")
+    ap.add_argument("--parity-tokens", type=int, default=2048, help="0 = no parity check")
+    ap.add_argument("--parity-phase", default="sparse", choices=["dense", "warmup", "sparse"])
+    ap.add_argument("--profile", default="", metavar="DIR", help="write a torch.profiler trace of the last path")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--profile-top", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    a.warmup = a.warmup if a.warmup is not None else (4 if a.compile else 2)
+    matmul.set_wide_gemm(not a.no_wide_gemm)
+    loss_mod.set_fused_head(not a.no_fused_ce)
+    mhc.set_fused_mixing(not a.no_fused_mhc)
+    peaks = matmul_peaks()
+    res = dict(env=environment(a), peak_tflops_sustained=peaks[0], peak_tflops_burst=peaks[1], rows=[], parity=[])
+    for phase in a.phases.split(","):
+        for path in a.paths.split(","):
+            res["rows"].append(measure(phase, path, a, peaks))
+            print_table(res["rows"][-1:], peaks)
+    if a.parity_tokens:
+        res["parity"] = parity(a)
+    Attention.forward = ORIGINAL_FORWARD
+    print_table(res["rows"], peaks)
+    if res["parity"]:
+        print_parity(res["parity"])
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.out, "train_step.json").write_text(json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":

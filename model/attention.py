@@ -197,7 +197,8 @@ class Attention(FP32Pinned):
         if kl_sum is None:  # no compressed entry for these queries: an explicit zero
             kl_sum = sum(p.sum() for p in self.indexer.parameters()) * 0.0
         kl_sum = ctx.cp.tie(kl_sum, mems)
-        return out, ctx.cp.sum_partial(kl_sum) / max(ctx.cp.sum_int(kl_rows), 1)
+        kl_rows = ctx.cp.sum_counts(torch.as_tensor(kl_rows, device=out.device))  # a device count: no host sync
+        return out, ctx.cp.sum_partial(kl_sum) / kl_rows.clamp_min(1)
 
     def _attend_chunk(self, ctx: BatchContext, rows: slice, q_rows: torch.Tensor, kv: torch.Tensor,
                       plan: Optional[CompressPlan], comp: Optional[EntryMemory], inp):
@@ -240,7 +241,7 @@ class Attention(FP32Pinned):
 
     def _kl_chunk(self, ctx: BatchContext, inp, rows: slice, q_rows: torch.Tensor, comp: EntryMemory,
                   sel_logits: torch.Tensor, c_idx, c_valid, vis_rel, vis_valid, lo: int,
-                  hi: int) -> tuple[torch.Tensor, int]:
+                  hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KL(teacher || indexer) summed over the chunk's rows (seed 000 §3; seed 004 items 6b, 11).
 
         comp: all entries by logical id; ids in c_idx / vis_rel are relative to lo.

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .matmul import project
+
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -118,6 +120,10 @@ def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ layer.weight.T`` computed in ``dtype`` (default: the input dtype)."""
-    dtype = dtype or x.dtype
-    return torch.nn.functional.linear(x.to(dtype), layer.weight.to(dtype))
+    """``x @ layer.weight.T`` [..., out] with the result in ``dtype`` (default: the input dtype).
+
+    float32 / float64 inputs: the product computed in ``dtype``. bf16 inputs (or autocast) with
+    ``dtype=float32``: a bf16 tensor-core GEMM with float32 accumulation and output
+    (``matmul.project``), not a float32 GEMM.
+    """
+    return project(x, layer.weight, dtype)

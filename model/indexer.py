@@ -133,7 +133,7 @@ def select_topk(inp: IndexerInputs, vis_idx: torch.Tensor, vis_valid: torch.Tens
 
 
 def kl_teacher_student(teacher_logits: torch.Tensor, student: torch.Tensor,
-                       valid: torch.Tensor) -> tuple[torch.Tensor, int]:
+                       valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over rows of KL(p_teacher || p_indexer) over a candidate set.
 
     Args:
@@ -141,17 +141,30 @@ def kl_teacher_student(teacher_logits: torch.Tensor, student: torch.Tensor,
             detached here. The teacher is the per-head softmax over the candidates,
             averaged over heads (the head-summed distribution, renormalised).
         student: [R, K] indexer scores at the same candidates (with gradient).
-        valid: [R, K] candidate mask; rows without a valid candidate are skipped.
+        valid: [R, K] candidate mask; rows without a valid candidate count 0 (and get no gradient).
     Returns:
-        (sum of per-row KL, number of rows counted).
+        (sum of per-row KL, number of rows counted as a 0-d int64 tensor on the device: no host
+        synchronisation).
     """
+    has = valid.any(dim=1, keepdim=True)  # [R, 1]
     teacher_logits = teacher_logits.detach().masked_fill(~valid[:, None, :], float("-inf"))
-    has = valid.any(dim=1)  # [R]
-    if not bool(has.any()):
-        return student.sum() * 0.0, 0
-    teacher_logits, student, valid = teacher_logits[has], student[has], valid[has]
-    p_t = teacher_logits.softmax(dim=-1).mean(dim=1)  # [R', K]
-    log_p_s = student.masked_fill(~valid, float("-inf")).log_softmax(dim=-1)
-    log_p_s = log_p_s.masked_fill(~valid, 0.0)
-    kl = torch.special.xlogy(p_t, p_t) - p_t * log_p_s  # [R', K]
-    return kl.sum(), int(has.sum())
+    teacher_logits = teacher_logits.masked_fill(~has[:, :, None], 0.0)  # rows without candidates: finite
+    p_t = torch.where(valid, teacher_logits.softmax(dim=-1).mean(dim=1), 0.0)  # [R, K]
+    return kl_from_teacher_probs(p_t, student, valid)
+
+
+def kl_from_teacher_probs(p_t: torch.Tensor, student: torch.Tensor,
+                          valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over rows of KL(p_t || softmax(student over the valid slots)); rows without a valid slot count 0.
+
+    p_t [R, K] teacher probabilities (0 at invalid slots), student [R, K], valid [R, K] bool ->
+    (0-d KL sum in student's dtype, 0-d int64 count of rows with a valid slot). Masked, never
+    indexed by the mask, so nothing waits for the device.
+    """
+    has = valid.any(dim=1, keepdim=True)  # [R, 1]
+    # rows with some valid slot: -inf at the others; rows with none: zeros, so log_softmax stays finite
+    scores = torch.where(valid, student, torch.where(has, float("-inf"), 0.0))
+    log_p_s = scores.log_softmax(dim=-1).masked_fill(~valid, 0.0)
+    p_t = torch.where(valid, p_t.to(student.dtype), 0.0)
+    kl = torch.special.xlogy(p_t, p_t) - p_t * log_p_s  # [R, K]
+    return kl.sum(), has.sum()

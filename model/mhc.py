@@ -8,6 +8,13 @@ released ``inference/model.py`` and ``hc_split_sinkhorn`` in ``inference/kernel.
 Shapes: streams X [T, hc, dim]; ``fn`` [(2+hc)*hc, hc*dim]; ``base`` [(2+hc)*hc];
 ``scale`` [3]. All mixing math runs in float32 (float64 for a float64 model); the
 block input and new streams are cast back to the stream dtype.
+
+Speed (issue 17): eager, one mixing is ~40 small kernels (the Sinkhorn rounds on [T, hc, hc]
+alone are 4 per round) plus float32 copies of the [T, hc, dim] streams. On CUDA the part after
+the projection GEMM (:func:`hc_pre_tail`) and :func:`hc_post_fused` run as ``torch.compile``d
+regions (a few fused kernels, no float32 stream copies); elsewhere, and with
+:func:`set_fused_mixing` (False), the eager code below runs. Same math; the fused form writes
+``sum_j comb[j, k] X_j`` as a broadcast reduction instead of a batched 4 x 4 GEMM.
 """
 
 from __future__ import annotations
@@ -15,17 +22,21 @@ from __future__ import annotations
 import torch
 
 from .common import acc_dtype
+from .matmul import low_dtype, project
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Flatten streams and project: returns (flat [T, hc*dim], mixes [T, n_mix]) in acc dtype.
 
     ``mixes = (flat @ fn.T) * rsqrt(mean(flat**2) + norm_eps)`` (unweighted RMS norm over hc*dim).
+    bf16 streams: the product is a bf16 GEMM with float32 accumulation and output
+    (``matmul.project``); float32 / float64 streams: the plain product in that dtype.
     """
     acc = acc_dtype(x.dtype)
     flat = x.flatten(1).to(acc)  # [T, hc*dim]
     rs = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return flat, (flat @ fn.to(acc).t()) * rs
+    src = flat if low_dtype(x) is None else x.flatten(1)  # bf16 operand: no float32 copy in the GEMM
+    return flat, project(src, fn, acc) * rs
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -52,6 +63,9 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         post [T, hc] = 2 * sigmoid(m[hc:2hc]*s1 + b);
         comb [T, hc, hc] = sinkhorn(m[2hc:]*s2 + b), comb[j, k] weighs source j into stream k.
     """
+    if _fused_here(x):
+        return _compiled("pre")(x, project(x.flatten(1), fn, acc_dtype(x.dtype)), scale, base, iters, hc_eps,
+                                norm_eps)
     T, hc, dim = x.shape
     flat, m = _mixes(x, fn, norm_eps)
     acc = flat.dtype
@@ -69,6 +83,8 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
 
     f [T, dim] (sub-layer output), residual [T, hc, dim] -> [T, hc, dim] in f's dtype.
     """
+    if _fused_here(f):
+        return _compiled("post")(f, residual, post, comb)
     acc = post.dtype
     mixed = torch.einsum("tjk,tjd->tkd", comb, residual.to(acc))  # [T, hc, dim]
     return (post.unsqueeze(-1) * f.to(acc).unsqueeze(1) + mixed).to(f.dtype)
@@ -84,3 +100,51 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     flat, m = _mixes(x, fn, norm_eps)
     pre = torch.sigmoid(m * scale.to(flat.dtype) + base.to(flat.dtype)) + hc_eps  # [T, hc]
     return (pre.unsqueeze(-1) * flat.view(T, hc, dim)).sum(dim=1).to(x.dtype)
+
+
+# ------------------------------------------------------------------ fused (compiled) mixing
+_FUSED = {"on": True, "compiled": {}}
+
+
+def set_fused_mixing(enabled: bool) -> None:
+    """Turn the compiled mHC regions on CUDA on (default) or off (eager everywhere)."""
+    _FUSED["on"] = bool(enabled)
+
+
+def _fused_here(t: torch.Tensor) -> bool:
+    return _FUSED["on"] and t.is_cuda and t.dtype != torch.float64
+
+
+def _compiled(which: str):
+    """The ``torch.compile``d :func:`hc_pre_tail` / :func:`hc_post_fused` (built on first use); inside
+    a region already being compiled (a compiled Block) the plain functions, which that region fuses."""
+    if torch.compiler.is_compiling():
+        return hc_pre_tail if which == "pre" else hc_post_fused
+    fns = _FUSED["compiled"]
+    if which not in fns:
+        fns[which] = torch.compile(hc_pre_tail if which == "pre" else hc_post_fused, fullgraph=True)
+    return fns[which]
+
+
+def hc_pre_tail(x: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hc_pre` after its projection GEMM, written for fusion: x [T, hc, dim] streams,
+    raw = x.flatten(1) @ fn.T [T, n_mix] (accumulation dtype) -> (y, post, comb) as hc_pre."""
+    T, hc, dim = x.shape
+    acc = raw.dtype
+    xf = x.to(acc)
+    rs = torch.rsqrt(xf.square().mean(dim=(1, 2)) + norm_eps)[:, None]  # [T, 1]: RMS over hc*dim
+    z = raw * rs
+    scale, base = scale.to(acc), base.to(acc)
+    pre = torch.sigmoid(z[:, :hc] * scale[0] + base[:hc]) + hc_eps  # [T, hc]
+    post = 2 * torch.sigmoid(z[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])  # [T, hc]
+    comb = sinkhorn((z[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(T, hc, hc), iters, hc_eps)
+    y = (pre.unsqueeze(-1) * xf).sum(dim=1)  # [T, dim]
+    return y.to(x.dtype), post, comb
+
+
+def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """:func:`hc_post` written for fusion: ``sum_j comb[:, j, k] X_j`` as a broadcast reduction."""
+    acc = post.dtype
+    mixed = (comb.unsqueeze(-1) * residual.to(acc).unsqueeze(2)).sum(dim=1)  # [T, j, k, 1]*[T, j, 1, d] -> [T, k, d]
+    return (post.unsqueeze(-1) * f.to(acc).unsqueeze(1) + mixed).to(f.dtype)

@@ -23,6 +23,7 @@ from .attention import Attention, BatchContext
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear
 from .indexer import Indexer
 from .kernels.dispatch import BACKEND_NAMES, Backend, select_backend
+from .loss import HeadLogits
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
@@ -279,10 +280,12 @@ class V4Model(FP32Pinned):
         lm_loss = _ce(logits, labels, self.cp) if labels is not None else None
         if labels is not None:
             self._mtp(h, tokens, labels, pack, ctx, aux)
-        return ModelOutput(lm_loss=lm_loss, aux_losses=aux, logits=logits if return_logits else None)
+        return ModelOutput(lm_loss=lm_loss, aux_losses=aux, logits=logits.materialize() if return_logits else None)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head, acc_dtype(hidden.dtype))
+    def _logits(self, hidden: torch.Tensor) -> HeadLogits:
+        """The head on ``hidden`` [T, dim], lazily: ``_ce`` fuses it with the loss in row chunks
+        (no [T, vocab] product); ``.materialize()`` gives the logits [T, vocab] (acc dtype)."""
+        return HeadLogits(hidden, self.head.weight)
 
     def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, pack: Pack,
              ctx: BatchContext, aux: dict) -> None:
@@ -325,13 +328,18 @@ def _record(aux: dict, layer_id: int, kl: Optional[torch.Tensor], bal: torch.Ten
     aux[f"balance/layer_{layer_id:02d}"] = bal
 
 
-def _ce(logits: torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+def _ce(logits: HeadLogits | torch.Tensor, labels: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """Mean cross entropy over labels != -100 (0 with a graph when none is valid).
 
-    Under CP: the sum over every rank's rows divided by the global count (replicated)."""
-    n = cp.sum_int(int((labels != -100).sum()))
-    total = cp.sum_partial(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
-    return total / max(n, 1)
+    ``logits``: the lazy head (chunked fused head + loss, ``loss.head_cross_entropy``) or a
+    [T, vocab] tensor. Under CP: the sum over every rank's rows divided by the global count
+    (replicated). The count stays on the device (``cp.sum_counts``): no host synchronisation."""
+    n = cp.sum_counts((labels != -100).sum())
+    if isinstance(logits, HeadLogits):
+        total = cp.sum_partial(logits.cross_entropy(labels))
+    else:
+        total = cp.sum_partial(F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+    return total / n.clamp_min(1)
 
 
 def _init_param(name: str, p: torch.Tensor, std: float, gen: Optional[torch.Generator]) -> None:

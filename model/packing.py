@@ -34,6 +34,8 @@ class Pack:
         seg: [T] segment id of each token.
         pos: [T] position of each token inside its segment (0-based).
         n_tokens: T.  max_seqlen: upper bound on any segment length (host int).
+        cu_host: the same boundaries as host ints (None when not known), so that host-side
+            sizes (entry counts) need no device synchronisation.
     """
 
     cu: torch.Tensor
@@ -42,6 +44,7 @@ class Pack:
     pos: torch.Tensor
     n_tokens: int
     max_seqlen: int
+    cu_host: tuple[int, ...] | None = None
 
     @property
     def n_segments(self) -> int:
@@ -50,6 +53,10 @@ class Pack:
 
 def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> Pack:
     """Validate a THD batch and build its :class:`Pack`.
+
+    The boundaries are read on the host once (free when ``cu_seqlens`` is a CPU tensor, the
+    cheapest way to call the model; one device -> host copy otherwise), checked there, and copied
+    to the tokens' device without waiting for it.
 
     Raises:
         ValueError: tokens not a 1-D integer tensor; cu_seqlens not 1-D integer, not
@@ -65,15 +72,16 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
         desc = (cu_seqlens.dtype, tuple(cu_seqlens.shape)) if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
         raise _bad("cu_seqlens", desc, "must be a 1-D int32/int64 tensor [N+1]",
                    "pass cumulative segment lengths, e.g. tensor([0, 5, 12])")
-    cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64)
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T:
-        raise _bad("cu_seqlens", cu.tolist(), f"must start at 0 and end at T={T} with at least one segment",
+    cu_host = tuple(cu_seqlens.tolist())
+    if len(cu_host) < 2 or cu_host[0] != 0 or cu_host[-1] != T:
+        raise _bad("cu_seqlens", list(cu_host), f"must start at 0 and end at T={T} with at least one segment",
                    "build it as [0, len_0, len_0 + len_1, ..., T]")
-    lengths = cu[1:] - cu[:-1]
-    if bool((lengths <= 0).any()):
-        raise _bad("cu_seqlens", cu.tolist(), "must be strictly increasing (no empty segment)",
+    if any(b <= a for a, b in zip(cu_host, cu_host[1:])):
+        raise _bad("cu_seqlens", list(cu_host), "must be strictly increasing (no empty segment)",
                    "drop empty segments from the pack")
-    longest = int(lengths.max())
+    longest = max(b - a for a, b in zip(cu_host, cu_host[1:]))
+    cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64, non_blocking=True)
+    lengths = cu[1:] - cu[:-1]
     try:
         max_seqlen = operator.index(max_seqlen)
     except TypeError:
@@ -83,24 +91,34 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
                    "pass max(cu_seqlens[1:] - cu_seqlens[:-1]) or the packing capacity")
     seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths, output_size=T)
     pos = torch.arange(T, device=cu.device) - cu[seg]
-    return Pack(cu=cu, lengths=lengths, seg=seg, pos=pos, n_tokens=T, max_seqlen=max_seqlen)
+    return Pack(cu=cu, lengths=lengths, seg=seg, pos=pos, n_tokens=T, max_seqlen=max_seqlen, cu_host=cu_host)
 
 
 def check_ids(tokens: torch.Tensor, labels: torch.Tensor | None, vocab_size: int) -> None:
-    """Raise ValueError unless tokens are in [0, vocab) and labels are [T] integers in [0, vocab) or -100."""
+    """Raise ValueError unless tokens are in [0, vocab) and labels are [T] integers in [0, vocab) or -100.
+
+    The range checks are reduced on the device and read back in ONE transfer (the forward's only
+    host synchronisation besides reading ``cu_seqlens``; none for CPU tensors): an out-of-range id
+    would otherwise fail later as an opaque device-side assert."""
     n_tokens = tokens.numel()
-    if n_tokens and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise _bad("tokens", f"range [{int(tokens.min())}, {int(tokens.max())}]", f"ids must be in [0, {vocab_size})",
-                   "check the tokenizer against ModelArgs.vocab_size")
-    if labels is None:
-        return
-    if not isinstance(labels, torch.Tensor) or labels.shape != (n_tokens,) or labels.is_floating_point():
+    if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != (n_tokens,)
+                               or labels.is_floating_point()):
         desc = (labels.dtype, tuple(labels.shape)) if isinstance(labels, torch.Tensor) else labels
         raise _bad("labels", desc, f"must be an integer tensor of shape ({n_tokens},) like tokens",
                    "set labels[t] = tokens[t+1] inside a segment and -100 at each segment's last token and padding")
-    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        raise _bad("labels", f"value {int(labels[bad][0])}", f"must be -100 (ignore) or in [0, {vocab_size})",
+    if not n_tokens:
+        return
+    stats = [tokens.min(), tokens.max()]
+    if labels is not None:
+        bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+        stats.append(bad.any())
+    got = torch.stack([t.to(torch.int64) for t in stats]).tolist()
+    if got[0] < 0 or got[1] >= vocab_size:
+        raise _bad("tokens", f"range [{got[0]}, {got[1]}]", f"ids must be in [0, {vocab_size})",
+                   "check the tokenizer against ModelArgs.vocab_size")
+    if labels is not None and got[2]:
+        value = int(labels[(labels != -100) & ((labels < 0) | (labels >= vocab_size))][0])
+        raise _bad("labels", f"value {value}", f"must be -100 (ignore) or in [0, {vocab_size})",
                    "use -100 for ignored positions")
 
 
@@ -150,7 +168,10 @@ class CompressPlan:
 def compress_plan(pack: Pack, ratio: int) -> CompressPlan:
     """Build the :class:`CompressPlan` of ``ratio`` for ``pack`` (vectorised over entries)."""
     counts = pack.lengths // ratio  # [N]
-    C = int(counts.sum())
+    if pack.cu_host is not None:  # host boundaries: no device synchronisation for the entry count
+        C = sum((b - a) // ratio for a, b in zip(pack.cu_host, pack.cu_host[1:]))
+    else:
+        C = int(counts.sum())
     seg_offset = torch.cumsum(counts, 0) - counts
     entry_seg = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=C)
     i = torch.arange(C, device=counts.device) - seg_offset[entry_seg]  # index inside the segment

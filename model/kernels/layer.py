@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..common import acc_dtype, linear, rms_unweighted
-from ..indexer import kl_teacher_student
+from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
 from .dispatch import Backend
 
@@ -77,21 +77,15 @@ class _StudentAt(torch.autograd.Function):
         return dq, dw, dkeys.to(keys.dtype), None
 
 
-def kl_from_probs(p_t: torch.Tensor, student: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sum over rows of KL(p_t || softmax(student)) over valid slots; rows without a valid slot skipped.
-    Same value as ``indexer.kl_teacher_student`` given the teacher's probabilities."""
-    has = valid.any(dim=1)
-    n = int(has.sum())
-    if n == 0:
-        return student.sum() * 0.0, 0
-    p_t, student, valid = p_t[has].to(student.dtype), student[has], valid[has]
-    log_p_s = student.masked_fill(~valid, float("-inf")).log_softmax(dim=-1).masked_fill(~valid, 0.0)
-    kl = torch.special.xlogy(p_t, p_t) - p_t * log_p_s
-    return kl.sum(), n
+def kl_from_probs(p_t: torch.Tensor, student: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over rows of KL(p_t || softmax(student)) over valid slots; rows without a valid slot count 0.
+    Same value as ``indexer.kl_teacher_student`` given the teacher's probabilities; the row count is
+    a 0-d device tensor (``indexer.kl_from_teacher_probs``: no host synchronisation)."""
+    return kl_from_teacher_probs(p_t, student, valid)
 
 
 def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tensor, nvis: torch.Tensor,
-               max_entries: int) -> tuple[Optional[torch.Tensor], int]:
+               max_entries: int) -> tuple[Optional[torch.Tensor], torch.Tensor | int]:
     """Warm-up KL: teacher over every visible entry (reference math, chunked; quadratic compute)."""
     T, H = q.shape[0], q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -185,4 +179,4 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
     if kl_sum is None:  # no compressed entry for these queries: an explicit zero
         kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
     kl_sum = ctx.cp.tie(kl_sum, mems)
-    return out, ctx.cp.sum_partial(kl_sum) / max(ctx.cp.sum_int(kl_rows), 1)
+    return out, ctx.cp.sum_partial(kl_sum) / ctx.cp.sum_counts(torch.as_tensor(kl_rows, device=out.device)).clamp_min(1)

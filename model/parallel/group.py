@@ -40,7 +40,8 @@ def _rows(full: Pack, a: int, b: int) -> Pack:
     if pad:
         seg = torch.cat((seg.new_zeros(pad), seg))
         pos = torch.cat((pos.new_zeros(pad), pos))
-    return Pack(cu=full.cu, lengths=full.lengths, seg=seg, pos=pos, n_tokens=b - a, max_seqlen=full.max_seqlen)
+    return Pack(cu=full.cu, lengths=full.lengths, seg=seg, pos=pos, n_tokens=b - a, max_seqlen=full.max_seqlen,
+                cu_host=full.cu_host)
 
 
 class ContextParallelGroup(ContextParallel):
@@ -88,7 +89,8 @@ class ContextParallelGroup(ContextParallel):
         """Global entry tables, this rank's owned entries (extended coordinates) and the
         logical -> physical map ``phys[e] = owner(e) * capacity + (e - first owned id of owner)``."""
         full = Pack(cu=shard.pack.cu, lengths=shard.pack.lengths, seg=shard.pack.seg.new_zeros(0),
-                    pos=shard.pack.pos.new_zeros(0), n_tokens=0, max_seqlen=shard.pack.max_seqlen)
+                    pos=shard.pack.pos.new_zeros(0), n_tokens=0, max_seqlen=shard.pack.max_seqlen,
+                    cu_host=shard.pack.cu_host)
         g = compress_plan(full, ratio)  # per-entry tables only need cu / lengths
         L = shard.pack.n_tokens
         owner = (g.start + ratio - 1) // L  # [C] rank holding each group's last token

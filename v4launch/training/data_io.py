@@ -57,11 +57,16 @@ def stage_loader(dataset: Any, recipe: Any, plan: Any, layout: Layout, *, valid:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with its tensors on ``device`` (the batch itself on CPU)."""
+    """``batch`` with tokens and labels on ``device`` (the batch itself on CPU).
+
+    ``cu_seqlens`` stays on the CPU: the model reads the boundaries on the host (``packing.make_pack``),
+    so a device copy would cost a synchronisation per micro-batch. The copies do not wait for the
+    device (``non_blocking``: pageable host memory is staged before the call returns).
+    """
     if device.type == "cpu":
         return batch
-    return dataclasses.replace(batch, tokens=batch.tokens.to(device), labels=batch.labels.to(device),
-                               cu_seqlens=batch.cu_seqlens.to(device))
+    return dataclasses.replace(batch, tokens=batch.tokens.to(device, non_blocking=True),
+                               labels=batch.labels.to(device, non_blocking=True))
 
 
 def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:

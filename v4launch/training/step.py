@@ -109,16 +109,17 @@ def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo)
 
 
 def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, weights: LossWeights,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, float], int, int]:
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, torch.Tensor], int, int]:
     """Forward + backward of each micro-batch with ``total / accum``; gradients accumulate in ``.grad``.
 
-    Returns (sum over micro-batches of each loss name's raw value, micro-batches, real tokens of the
-    micro-batches: under CP the whole micro-batch's, ``num_real_tokens`` stays global).
+    Returns (sum over micro-batches of each loss name's raw value as a detached 0-d tensor on the
+    model's device -- summed there, so nothing waits for the device inside the step --, micro-batches,
+    real tokens of the micro-batches: under CP the whole micro-batch's, ``num_real_tokens`` stays global).
 
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     n = tokens = 0
     for mb in micro_batches:
         with autocast():
@@ -126,7 +127,8 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
         loss = compose_loss(out.lm_loss, out.aux_losses, weights)
         (loss / accum).backward()
         for name, value in (("lm_loss", out.lm_loss), *out.aux_losses.items()):
-            sums[name] = sums.get(name, 0.0) + float(value.detach())
+            value = value.detach().to(torch.float64)
+            sums[name] = value if name not in sums else sums[name] + value
         n += 1
         tokens += int(getattr(mb, "num_real_tokens", mb.tokens.numel()))
     if n != accum:
@@ -158,11 +160,22 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     opt.zero_grad()
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info)
     model.update_router_bias(bias_speed)
-    stats = _stats(sums, n, weights, info)
-    stats.grad_norm = float(norm)
+    host = to_host({**sums, "grad_norm": norm})  # the step's one device -> host transfer
+    stats = _stats({k: v for k, v in host.items() if k != "grad_norm"}, n, weights, info)
+    stats.grad_norm = host["grad_norm"]
     # every rank of a CP group reports its micro-batches' (global) token count: count them once
     stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info)["tokens"] * info.world / cp)
     return stats
+
+
+def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-d tensors (any devices) -> floats with ONE device synchronisation: stacked, then copied."""
+    if not values:
+        return {}
+    keys = list(values)
+    device = values[keys[0]].device
+    stacked = torch.stack([values[k].detach().to(device=device, dtype=torch.float64).reshape(()) for k in keys])
+    return dict(zip(keys, stacked.tolist()))
 
 
 @torch.no_grad()
@@ -171,14 +184,15 @@ def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
     """Mean held-out LM loss (nats/token) over ``batches`` (averaged over ranks; under CP every rank of a
     CP group holds the same global value, so the world mean is the mean over DP replicas)."""
     model.eval()
-    sums: dict[str, float] = {}
+    total: torch.Tensor | None = None
     n = 0
     for mb in batches:
         with autocast():
             out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
-        sums["lm_loss"] = sums.get("lm_loss", 0.0) + float(out.lm_loss)
+        loss = out.lm_loss.detach().to(torch.float64)
+        total = loss if total is None else total + loss
         n += 1
     model.train()
     if n == 0:
         return {}
-    return mean_scalars({k: v / n for k, v in sums.items()}, info)
+    return mean_scalars({"lm_loss": to_host({"lm_loss": total})["lm_loss"] / n}, info)

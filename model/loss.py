@@ -1,0 +1,157 @@
+"""LM head fused with the token cross entropy, chunked over tokens (no [T, vocab] float32 product).
+
+Spec: reference/v4-model-spec.md §3 ("Model": final ``hc_head`` + ``norm`` + shared ``head``;
+"MTP": the same head); §1 (the LM head is float32 math). Issue 17: the LM and MTP heads were
+two float32 [T x vocab] GEMMs on the CUDA cores plus a float32 [T, vocab] logits tensor kept
+for the backward.
+
+:func:`head_cross_entropy` computes ``sum_t [logsumexp_v(z_t) - z_t[label_t]]`` over rows with
+``label_t != -100``, ``z = hidden @ weight.T``, ``chunk_rows`` rows at a time:
+
+* forward: per chunk, the logits (a bf16 tensor-core GEMM with float32 accumulation and output
+  for bf16 inputs, ``matmul.project``; the plain product for float32 / float64), their float32
+  log-sum-exp and the target logit. Kept for the backward: hidden, weight, labels and the
+  log-sum-exp per row ([T] float32) -- O(T) besides the inputs.
+* backward (custom autograd, recomputing each chunk's logits): ``dz = g (softmax(z) - onehot)``
+  on valid rows, ``d hidden = dz @ weight``, ``d weight += dz.T @ hidden`` (float32 accumulator
+  for a float32 weight). Transient memory O(chunk_rows x vocab).
+
+Math: the softmax cross entropy and its gradient ``softmax - onehot`` (any textbook; the same
+as ``F.cross_entropy(..., reduction="sum", ignore_index=-100)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .common import acc_dtype
+from .matmul import LOW_PRECISION, low_dtype, mm_wide, project
+
+IGNORE = -100
+LOGIT_CHUNK_ELEMENTS = 1 << 28
+"""Logits per chunk (rows x vocab): 1 GiB of float32 (2,076 rows at vocab 129,280)."""
+
+
+_FUSED = {"on": True}
+
+
+def set_fused_head(enabled: bool) -> None:
+    """On (default): :meth:`HeadLogits.cross_entropy` is the chunked fused loss. Off: the whole logits
+    tensor, then ``F.cross_entropy`` (for measuring the difference, ``train_step.py --no-fused-ce``)."""
+    _FUSED["on"] = bool(enabled)
+
+
+def chunk_rows_for(vocab: int, elements: int = LOGIT_CHUNK_ELEMENTS) -> int:
+    """Rows per chunk so that one chunk's logits hold at most ``elements`` values (at least 1 row)."""
+    return max(1, elements // max(vocab, 1))
+
+
+def _operands(hidden: torch.Tensor, weight: torch.Tensor, low: torch.dtype | None):
+    """(hidden, weight) in the GEMM operand dtype ``low`` (None: the accumulation dtype), and that
+    accumulation dtype (float32, or float64 for a float64 model): the dtype of the logits."""
+    acc = acc_dtype(hidden.dtype)
+    dtype = acc if low is None else low
+    return hidden.to(dtype), weight.to(dtype), acc
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """h [R, d] @ w.T [d, V] -> [R, V] in ``acc`` (wide accumulation for low-precision operands)."""
+    return mm_wide(h, w.t(), acc) if h.dtype in LOW_PRECISION else h @ w.t()
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Sum over valid rows of the cross entropy of ``hidden @ weight.T``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
+                low: torch.dtype | None) -> torch.Tensor:
+        h, w, acc = _operands(hidden, weight, low)
+        lse = torch.empty(h.shape[0], dtype=acc, device=h.device)
+        total = torch.zeros((), dtype=acc, device=h.device)
+        for i in range(0, h.shape[0], chunk):
+            z = _chunk_logits(h[i:i + chunk], w, acc)  # [R, V]
+            lab = labels[i:i + chunk]
+            valid = lab != IGNORE
+            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
+            target = z.gather(1, torch.where(valid, lab, 0)[:, None]).squeeze(1)
+            total = total + torch.where(valid, lse[i:i + chunk] - target, 0.0).sum()
+        ctx.save_for_backward(h, w, labels, lse)
+        ctx.chunk, ctx.h_dtype, ctx.w_dtype = chunk, hidden.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        h, w, labels, lse = ctx.saved_tensors
+        acc = lse.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.empty(h.shape, dtype=ctx.h_dtype, device=h.device) if need_h else None
+        dw = torch.zeros(w.shape, dtype=acc if ctx.w_dtype not in LOW_PRECISION else ctx.w_dtype,
+                         device=w.device) if need_w else None
+        for i in range(0, h.shape[0], ctx.chunk):
+            hc, lab = h[i:i + ctx.chunk], labels[i:i + ctx.chunk]
+            valid = lab != IGNORE
+            dz = torch.exp(_chunk_logits(hc, w, acc) - lse[i:i + ctx.chunk, None])  # softmax [R, V]
+            dz.scatter_add_(1, torch.where(valid, lab, 0)[:, None], -torch.ones_like(dz[:, :1]))
+            dz = dz * (g * valid).to(acc)[:, None]
+            dz = dz.to(h.dtype)  # the GEMM operand dtype (bf16 for a bf16 model)
+            if need_h:
+                dh[i:i + ctx.chunk] = _wide_or_plain(dz, w, ctx.h_dtype)
+            if need_w:
+                dw += _wide_or_plain(dz.t(), hc, dw.dtype)
+        return dh, (dw.to(ctx.w_dtype) if need_w else None), None, None, None
+
+
+def _wide_or_plain(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return mm_wide(a, b, out_dtype) if a.dtype in LOW_PRECISION else (a @ b).to(out_dtype)
+
+
+def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       chunk_rows: int | None = None) -> torch.Tensor:
+    """Summed cross entropy of the logits ``hidden @ weight.T`` over rows with a label != -100.
+
+    Args:
+        hidden: [T, d] head input (any float dtype; bf16 runs on the tensor cores).
+        weight: [V, d] head weight.
+        labels: [T] int64 targets in [0, V) or -100 (ignored).
+        chunk_rows: rows per chunk (default :func:`chunk_rows_for` (V)); memory O(chunk_rows x V).
+    Returns:
+        0-d sum in float32 (float64 for float64 hidden); 0 when no row is valid. Gradients flow to
+        hidden and weight (recomputed per chunk in the backward).
+    Raises:
+        ValueError: hidden / labels shapes disagree, or chunk_rows < 1.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"head_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels "
+                         f"{tuple(labels.shape)}: need hidden [T, d], weight [V, d], labels [T]. "
+                         "Fix: flatten the batch to THD rows before the head.")
+    chunk = chunk_rows if chunk_rows is not None else chunk_rows_for(weight.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_rows={chunk}: must be >= 1. Fix: pass a positive row count or None.")
+    low = low_dtype(hidden)  # read before autocast is switched off for the custom function
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _ChunkedHeadCE.apply(hidden, weight, labels, chunk, low)
+
+
+@dataclass(frozen=True)
+class HeadLogits:
+    """The LM head applied lazily: logits = ``hidden @ weight.T`` are only formed on request.
+
+    hidden [T, d]; weight [V, d]. :meth:`cross_entropy` never builds the [T, V] product;
+    :meth:`materialize` does (``return_logits=True``).
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        """Logits [T, V] in float32 (float64 for a float64 model), via ``matmul.project``."""
+        return project(self.hidden, self.weight, acc_dtype(self.hidden.dtype))
+
+    def cross_entropy(self, labels: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+        """Summed cross entropy over labels != -100 (:func:`head_cross_entropy`)."""
+        if not _FUSED["on"]:
+            return F.cross_entropy(self.materialize(), labels, ignore_index=IGNORE, reduction="sum")
+        return head_cross_entropy(self.hidden, self.weight, labels, chunk_rows)
