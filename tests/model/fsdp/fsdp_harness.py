@@ -54,7 +54,7 @@ def _entry(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
-        run = {"model": model_case, "load": load_case}
+        run = {"model": model_case, "load": load_case, "optim": optim_case, "errors": error_case}
         results = [run[case["kind"]](case) for case in cases]
         dist.barrier()
     finally:
@@ -224,3 +224,62 @@ def _manifest(world: int):
 
     sizes = {"world": world, "dp": world, "cp": 1, "pp": 1, "tp": 1, "ep": 1}
     return manifest_for(Recipe.model_validate(tiny_dict()), 2, step=3, parallel_sizes=sizes)
+
+
+def optim_case(case: dict) -> dict:
+    """Muon and AdamW on DTensor parameters (``Shard(0)`` over the world, uneven and empty shards) vs
+    torch.optim.Muon / AdamW on the whole tensors, several steps; returns max errors and the shard rows."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from v4launch.training.muon import Muon
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    gen = torch.Generator().manual_seed(case["seed"])  # the same draws on every rank
+    shapes = [tuple(s) for s in case["shapes"]]
+    init = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes] for _ in range(case["steps"])]
+    whole = [torch.nn.Parameter(w.clone()) for w in init]
+    sharded = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)])) for w in init]
+    half = len(shapes) // 2
+    make = {"muon": lambda ps, cls: cls([dict(params=ps[:half], nesterov=True),
+                                         dict(params=ps[half:], nesterov=False, weight_decay=0.0)], lr=0.05),
+            "adamw": lambda ps, cls: cls(ps, lr=0.05, weight_decay=0.1)}[case["optimizer"]]
+    ours = make(sharded, Muon if case["optimizer"] == "muon" else torch.optim.AdamW)
+    theirs = make(whole, torch.optim.Muon if case["optimizer"] == "muon" else torch.optim.AdamW)
+    for step_grads in grads:
+        for p, q, g in zip(sharded, whole, step_grads):
+            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            q.grad = g.clone()
+        ours.step(), theirs.step()
+    state = [(f"{i}/{k}", ours.state[p][k], theirs.state[q][k]) for i, (p, q) in enumerate(zip(sharded, whole))
+             for k in theirs.state[q] if k != "step"]
+    return dict(param=worst((str(i), p, q) for i, (p, q) in enumerate(zip(sharded, whole))), state=worst(state),
+                local_rows=[p.to_local().shape[0] for p in sharded],
+                state_types=sorted({type(v).__name__ for _, v, _ in state}))
+
+
+def error_case(case: dict) -> dict:
+    """The ValueError messages of apply_fsdp / set_divide_factor / reduce_gradients."""
+    msgs = {}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for key, call in [("dp", lambda: apply_fsdp([model], None, dp=3)),
+                      ("unsharded", lambda: set_divide_factor([model], 1)),
+                      ("reduce_dp", lambda: reduce_gradients(model.parameters(), None, 0))]:
+        try:
+            call()
+        except ValueError as e:
+            msgs[key] = str(e)
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).double())
+    try:
+        apply_fsdp([mixed], None, dp=2)
+    except ValueError as e:
+        msgs["dtypes"] = str(e)
+    apply_fsdp([model], None, dp=2)
+    for key, call in [("dp_after", lambda: set_divide_factor([model], 4)),
+                      ("reduce_sharded", lambda: reduce_gradients(model.parameters(), None, 2))]:
+        try:
+            call()
+        except ValueError as e:
+            msgs[key] = str(e)
+    return msgs
