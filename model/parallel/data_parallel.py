@@ -1,4 +1,5 @@
-"""Gradient reduction for unsharded data parallelism (``parallel.distributed_optimizer: false``).
+"""Gradient reduction for unsharded data parallelism (``parallel.distributed_optimizer: false``) and the
+global gradient norm of any layout (sharded, unsharded, expert parallel, pipeline parallel).
 
 Spec: docs/parallelism.md "Rank grid": over the S = dp·cp ranks of one pipeline rank the
 gradient is ``(1/dp) · Σ_S g`` — summed over CP (each CP rank holds the partial gradient of
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None, dp: int) -> None:
@@ -41,7 +43,7 @@ def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | 
     if dp < 1:
         raise ValueError(f"reduce_gradients: dp={dp} must be >= 1. Fix: pass the data-parallel size of the stage.")
     params = [p for p in params if p.requires_grad]
-    if any(type(p).__name__ == "DTensor" for p in params):
+    if any(isinstance(p, DTensor) for p in params):
         raise ValueError("reduce_gradients: a parameter is sharded (DTensor); FSDP reduces those. Fix: pass only "
                          "unsharded parameters (e.g. the routed experts that apply_fsdp ignored).")
     for p in params:
@@ -60,3 +62,50 @@ def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | 
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, expert_params: Iterable[torch.Tensor] = (),
+                   ep_group: dist.ProcessGroup | None = None,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of the (already reduced) gradients, then scale them by ``min(1, max_norm / (norm + 1e-6))``.
+
+    ``torch.nn.utils.clip_grad_norm_``'s rule, over a mixture it cannot take (DTensor and plain
+    gradients in one list): the norm² is the sum of
+    * FSDP-sharded gradients (DTensor): local shards' squares summed over their shard mesh;
+    * plain gradients that every rank of the S group holds the same (after ``reduce_gradients``): local;
+    * ``expert_params`` (a subset of ``params``) when ``ep_group`` is given: summed over the EP group
+      (each EP rank holds other experts; the edp ranks holding the same ones count them once);
+    then summed over ``pp_group`` (each pipeline rank holds other layers), if given.
+
+    Args:
+        params: every parameter this rank optimises (gradients None are skipped).
+        max_norm: the clip threshold (``optimizer.grad_clip``); ``inf`` only measures.
+    Returns: the norm, a 0-d float32 tensor (float64 if a gradient is), the same on every rank.
+    """
+    experts = set(expert_params) if ep_group is not None else set()
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
+    device = grads[0][1].device if grads else torch.device("cpu")
+    sharded, plain, expert = (torch.zeros((), dtype=dtype, device=device) for _ in range(3))
+    mesh = None
+    for p, g in grads:
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            sharded += g.to_local().to(dtype).square().sum()
+        elif p in experts:
+            expert += g.to(dtype).square().sum()
+        else:
+            plain += g.to(dtype).square().sum()
+    if mesh is not None:
+        dist.all_reduce(sharded, group=mesh.get_group())
+    if ep_group is not None:
+        dist.all_reduce(expert, group=ep_group)
+    total = sharded + plain + expert
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for _, g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(scale.to(local.dtype))
+    return norm

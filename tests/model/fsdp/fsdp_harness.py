@@ -26,11 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "checkpo
 from v4_helpers import build, packed_batch, tiny_args  # noqa: E402
 
 from v4launch.model.parallel import SINGLE_DEVICE, ContextParallelGroup, shard_thd_batch  # noqa: E402
-from v4launch.model.parallel.data_parallel import reduce_gradients  # noqa: E402
+from v4launch.model.parallel.data_parallel import clip_grad_norm, reduce_gradients  # noqa: E402
 from v4launch.model.parallel.fsdp import apply_fsdp, routed_expert_params, set_divide_factor  # noqa: E402
 from v4launch.training.optim import Optimizers  # noqa: E402
 from v4launch.validators.schema import OptimizerConfig  # noqa: E402
 
+CLIP = 1.0  # clips the first steps of the tiny model (its gradient norm starts above 1)
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 CP_LENGTHS = [5, 140, 60, 51]  # T = 256: L = 128 = the HCA boundary width at cp 2; one segment spans both ranks
 DP_LENGTHS = ([5, 140, 60, 51], [64, 64, 64, 64])  # rank 1's segments are too short for HCA: its compressor idles
@@ -122,6 +123,11 @@ def _parallel_step(model, batches, layout: str, rank: int, cp_hooks) -> float:
     return loss.item()
 
 
+def _clip(model, max_norm: float) -> float:
+    """The gradient norm (``clip_grad_norm``; experts replicated at ep 1), gradients clipped to ``max_norm``."""
+    return clip_grad_norm(model.parameters(), max_norm).item()
+
+
 def _grad_diff(model, other) -> tuple[float, str]:
     theirs = grads_of(other)
     return worst((n, g, theirs[n]) for n, g in grads_of(model).items())
@@ -164,6 +170,11 @@ def model_case(case: dict) -> dict:
         if twin is not None:
             twin_loss = _parallel_step(twin, batches, layout, rank, cp_hooks)
             rec.update(twin_loss=abs(loss - twin_loss), twin_grad=_grad_diff(model, twin))
+        clip = case.get("clip", CLIP)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()
+        rec.update(norm=abs(_clip(model, clip) - ref_norm) / ref_norm, norm_value=ref_norm)
+        if twin is not None:
+            _clip(twin, clip)
         for o in opts:
             o.step()
             o.zero_grad()
