@@ -33,7 +33,7 @@ def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | 
             A parameter without a gradient counts as zeros and gets a zero gradient first, so the
             ranks' buffers always match.
         group: the S ranks of this pipeline rank (or, for routed experts, the edp ranks holding the
-            same experts); None = the default group. A group of one rank only divides.
+            same experts); None = the default group. A group of one rank (or no process group) only divides.
         dp: data-parallel replicas (the divisor); cp = S / dp ranks of a replica are summed.
     Buffer dtype: float64 if any gradient is float64, else float32 (bf16 gradients are summed
         in float32 and rounded once).
@@ -54,7 +54,7 @@ def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | 
         return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-    if dist.get_world_size(group) > 1:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
     flat /= dp
     offset = 0
