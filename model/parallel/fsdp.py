@@ -31,6 +31,12 @@ Job-facing calls::
     ...                                           # curriculum stage with another cp (S unchanged):
     set_divide_factor(parts, dp_new)
     # gradient accumulation: part.set_requires_gradient_sync(i == accum - 1) before each backward
+    # gradient norm / clipping: data_parallel.clip_grad_norm (torch's refuses DTensor + plain gradients)
+
+Pipeline stages: FSDP gathers a module's parameters around its ``forward`` only. A stage that calls
+a part's other methods (``embed_streams``, ``run_layers``, ``head_losses``) directly must call them
+from one module ``forward`` (e.g. a stage wrapper that is the part passed here); registering them
+with ``register_fsdp_forward_method`` instead adds one post-backward per call (see MTP below).
 """
 
 from __future__ import annotations
