@@ -75,3 +75,94 @@ def test_pinned_fp32_parameters_stay_fp32_and_are_recorded_per_group():
     summary = Optimizers(model, OptimizerConfig()).summary(model)
     assert set(summary["adamw_no_decay/base"]["dtypes"]) == {"bfloat16", "float32"}  # norms bf16, mHC/sink fp32
     assert set(summary["muon/base"]["dtypes"]) == {"bfloat16"}
+
+
+# ------------------------------------------------------------------ Muon (v4launch.training.muon)
+MUON_SHAPES = [(7, 5), (5, 7), (6, 6), (1, 4), (9, 2)]
+MUON_GROUPS = [dict(nesterov=True, adjust_lr_fn=None, weight_decay=0.1),
+               dict(nesterov=False, adjust_lr_fn="match_rms_adamw", weight_decay=0.0, momentum=0.9)]
+
+
+def _seeded() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    print(f"generator seed: {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _muon_params(gen: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(s, generator=gen, dtype=torch.float64) for s in MUON_SHAPES]
+
+
+def _groups(params: list[torch.Tensor]) -> list[dict]:
+    half = len(params) // 2
+    return [dict(params=params[:half], **MUON_GROUPS[0]), dict(params=params[half:], **MUON_GROUPS[1])]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> None:
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+
+
+def test_muon_equals_torch_muon_on_plain_parameters():
+    """float64 parameters, bf16 Newton-Schulz (torch's), several steps, both nesterov settings and lr rules."""
+    from v4launch.training.muon import Muon
+
+    gen = _seeded()
+    init = _muon_params(gen)
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in MUON_SHAPES] for _ in range(4)]
+    ours = [p.clone().requires_grad_() for p in init]
+    theirs = [p.clone().requires_grad_() for p in init]
+    a, b = Muon(_groups(ours), lr=0.05), torch.optim.Muon(_groups(theirs), lr=0.05)
+    _run(a, ours, grads)
+    _run(b, theirs, grads)
+    for p, q in zip(ours, theirs):
+        assert (p - q).abs().max().item() <= 1e-12
+        assert (a.state[p]["momentum_buffer"] - b.state[q]["momentum_buffer"]).abs().max().item() <= 1e-12
+    assert a.state_dict()["param_groups"] == b.state_dict()["param_groups"]  # same keys: checkpoints interchange
+
+
+def _reference_muon_step(w, g, buf, lr, group, coefficients=(3.4445, -4.7750, 2.0315), steps=5):
+    """Muon written out from its definition, float64, with the Newton-Schulz iterate kept TALL where the matrix
+    is tall (X <- aX + b X(X^T X) + c X(X^T X)^2, the same polynomial from the other side)."""
+    mu = group.get("momentum", 0.95)
+    buf = mu * buf + (1 - mu) * g
+    u = (1 - mu) * g + mu * buf if group["nesterov"] else buf
+    x = u / max(u.norm().item(), 1e-7)
+    for _ in range(steps):
+        if x.shape[0] > x.shape[1]:
+            gram = x.T @ x
+            x = coefficients[0] * x + coefficients[1] * x @ gram + coefficients[2] * x @ gram @ gram
+        else:
+            gram = x @ x.T
+            x = coefficients[0] * x + coefficients[1] * gram @ x + coefficients[2] * gram @ gram @ x
+    rows, cols = w.shape
+    scale = 0.2 * max(rows, cols) ** 0.5 if group["adjust_lr_fn"] == "match_rms_adamw" else max(1, rows / cols) ** 0.5
+    return w * (1 - lr * group["weight_decay"]) - lr * scale * x, buf
+
+
+def test_muon_in_float64_matches_its_definition():
+    """ns_dtype float64 against an independent float64 write-up of the algorithm, over several steps."""
+    from v4launch.training.muon import Muon
+
+    gen = _seeded()
+    init = _muon_params(gen)
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in MUON_SHAPES] for _ in range(3)]
+    ours = [p.clone().requires_grad_() for p in init]
+    _run(Muon(_groups(ours), lr=0.05, ns_dtype=torch.float64), ours, grads)
+    half = len(init) // 2
+    for i, w in enumerate(init):
+        buf = torch.zeros_like(w)
+        for step_grads in grads:
+            w, buf = _reference_muon_step(w, step_grads[i], buf, 0.05, MUON_GROUPS[0 if i < half else 1])
+        assert (ours[i].detach() - w).abs().max().item() <= 1e-12, (i, MUON_SHAPES[i])
+
+
+def test_muon_rejects_what_torch_muon_rejects():
+    from v4launch.training.muon import Muon
+
+    with pytest.raises(ValueError, match="2D"):
+        Muon([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match="ns_steps=100"):
+        Muon([torch.zeros(2, 2, requires_grad=True)], ns_steps=100)

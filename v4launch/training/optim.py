@@ -29,6 +29,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from .muon import Muon
+
 GROUP_KINDS = ("muon", "adamw_decay", "adamw_no_decay")
 """Group kinds in the order they are created; group names are ``<kind>/<tag>`` (tag ``base`` or ``indexer``)."""
 
@@ -69,10 +71,21 @@ class Optimizers:
     """Muon + AdamW behind one step/zero_grad interface; groups carry ``name`` and ``kind``.
 
     ``.optimizers`` is the list given to the checkpoint's ``OptimizerState`` (state keyed by FQN).
+    Works on plain parameters and on FSDP2-sharded ones (DTensor, ``Shard(0)``; see
+    ``model.parallel.fsdp.apply_fsdp``): AdamW is elementwise, so ``torch.optim.AdamW`` updates each
+    shard; Muon is :class:`muon.Muon`, which gathers each matrix's update and orthogonalises the
+    whole matrix (docs/parallelism.md "Muon under sharding"). Build it after ``apply_fsdp``.
+
+    Args:
+        model: the module whose ``named_parameters`` are optimised (FQNs pick the groups).
+        cfg: the recipe's ``optimizer`` section.
+        muon_ns_dtype: Newton–Schulz dtype of Muon (bfloat16 as ``torch.optim.Muon``; tests use
+            float64 to compare layouts exactly).
     """
 
-    def __init__(self, model: nn.Module, cfg: Any) -> None:
+    def __init__(self, model: nn.Module, cfg: Any, *, muon_ns_dtype: torch.dtype = torch.bfloat16) -> None:
         self.cfg = cfg
+        self.muon_ns_dtype = muon_ns_dtype
         self.muon: torch.optim.Optimizer | None = None
         self.adamw: torch.optim.Optimizer | None = None
         self.add_params(model, [(n, p) for n, p in model.named_parameters() if _tag(n) == "base"], "base")
@@ -105,7 +118,8 @@ class Optimizers:
             group = {"params": params, "name": f"{kind}/{tag}", "kind": kind, "weight_decay": wd}
             if kind == "muon":
                 if self.muon is None:
-                    self.muon = torch.optim.Muon([group], lr=c.muon_lr, weight_decay=wd, momentum=c.muon_momentum)
+                    self.muon = Muon([group], lr=c.muon_lr, weight_decay=wd, momentum=c.muon_momentum,
+                                     ns_dtype=self.muon_ns_dtype)
                 else:
                     self.muon.add_param_group(group)
             elif self.adamw is None:

@@ -1,0 +1,145 @@
+"""Muon that orthogonalises whole matrices when the parameters are sharded (FSDP2 DTensors).
+
+Spec: docs/parallelism.md "Muon under sharding". Math: ``torch.optim.Muon`` of torch 2.13
+(``torch/optim/_muon.py``; Keller Jordan's Muon), reproduced step for step so that on plain
+tensors the result is the same to the last bit. Per parameter ``W`` [A, B] with gradient ``G``
+(group values lr, weight_decay λ, momentum μ, nesterov, ns_coefficients (a, b, c), ns_steps k,
+eps, adjust_lr_fn):
+
+1. momentum, elementwise, on this rank's shard: ``M ← M + (1-μ)(G - M)`` (``lerp``);
+   ``U = G + μ(M - G)`` with nesterov, else ``U = M``;
+2. the whole ``U`` [A, B]: gathered from the shards (one all-gather per matrix; nothing for a
+   plain tensor);
+3. Newton–Schulz on the whole matrix in ``ns_dtype`` (bf16 as torch): ``X = U`` (transposed
+   when A > B), ``X ← X / max(‖X‖_F, eps)``, k times ``Y = X Xᵀ``, ``X ← a X + (b Y + c Y²) X``;
+4. this rank's rows of the orthogonalised ``O`` (the same ``Shard(0)`` chunk as ``W``'s);
+5. ``W ← W (1 - lr λ)``, then ``W ← W - lr' O`` with ``lr' = lr · sqrt(max(1, A/B))``
+   (adjust_lr_fn None / "original"), ``lr · 0.2 · sqrt(max(A, B))`` ("match_rms_adamw"); A, B
+   are the GLOBAL shape.
+
+State (``momentum_buffer``, a DTensor shaped like the parameter under FSDP) and param-group keys
+are torch.optim.Muon's, so checkpoints of either load into the other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Approximate orthogonalisation ``U S' Vᵀ`` of a whole matrix [A, B] -> [A, B] in ``dtype``.
+
+    Quintic Newton–Schulz iteration (torch.optim.Muon's op order, so bitwise equal in bf16):
+    work on the wide orientation (rows <= columns), scale to Frobenius norm <= 1, then ``steps``
+    times ``X ← a X + (b G + c G²) X`` with ``G = X Xᵀ``.
+    Raises:
+        ValueError: ``update`` is not 2-D, ``steps`` >= 100, or not three coefficients.
+    """
+    if update.ndim != 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(update.shape)}")
+    if steps >= 100 or len(coefficients) != 3:
+        raise ValueError(f"Muon ns_steps={steps} (must be < 100), ns_coefficients={coefficients} (must be 3 values)")
+    a, b, c = coefficients
+    tall = update.shape[0] > update.shape[1]
+    x = update.to(dtype, copy=True)  # never the caller's tensor (e.g. the momentum buffer): scaled in place below
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G²
+        x = torch.addmm(x, poly, x, beta=a)  # a X + poly X
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix learning rate for a [A, B, ...] parameter (torch.optim.Muon's rule, see module doc)."""
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (a view: in-place ops change ``t``)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of which ``local`` is this rank's shard, sharded like ``like`` (all-gather)."""
+    if not isinstance(like, DTensor):
+        return local
+    shards = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                stride=like.stride())
+    return shards.full_tensor()
+
+
+def _my_shard(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``whole`` under ``like``'s placements (a local slice, no communication)."""
+    if not isinstance(like, DTensor):
+        return whole
+    mesh = like.device_mesh
+    replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, like.placements).to_local()
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose step sees whole matrices when parameters are sharded DTensors.
+
+    Same constructor as ``torch.optim.Muon`` plus ``ns_dtype`` (the Newton–Schulz dtype;
+    bfloat16 as torch; float64 / float32 for exact comparisons in tests). Plain-tensor
+    parameters (e.g. expert-parallel experts next to FSDP-sharded matrices) take the same
+    path without communication. Cost under sharding: one all-gather of each matrix's update
+    per step and Newton–Schulz on the whole matrix on every rank of the shard group.
+
+    Raises:
+        ValueError: as ``torch.optim.Muon`` (a parameter that is not 2-D, negative lr, ...), or
+            ns_steps >= 100 / not three ns_coefficients in a group.
+    """
+
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            if group["ns_steps"] >= 100 or len(group["ns_coefficients"]) != 3:
+                raise ValueError(f"Muon group {group.get('name', '?')}: ns_steps={group['ns_steps']} must be < 100 "
+                                 f"and ns_coefficients={group['ns_coefficients']} three values. Fix: use the "
+                                 "defaults (5 steps, (3.4445, -4.7750, 2.0315)).")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon step over every group (see the module docstring); returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = float(group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("Muon supports dense real parameters only")
+                self._update(p, group, lr)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict, lr: float) -> None:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        ortho = newton_schulz(_whole(update, p), group["ns_coefficients"], group["ns_steps"], group["eps"],
+                              self.ns_dtype)
+        param = _local(p)
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(_my_shard(ortho, p), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
