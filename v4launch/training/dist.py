@@ -34,6 +34,7 @@ parameters) this is one flat all-reduce per step with a fixed order.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,9 +86,15 @@ def init_distributed() -> DistInfo:
 
 
 def teardown(info: DistInfo) -> None:
-    """Destroy the process group if this job created it."""
+    """Destroy the process group if this job created it.
+
+    The closing barrier is skipped while an exception propagates (called from a ``finally``): the
+    other ranks may be waiting in a collective or a pipeline receive that this rank will never
+    join, and the barrier would hang this rank instead of letting it report its error.
+    """
     if info.owns_group and dist.is_initialized():
-        dist.barrier()
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 
