@@ -229,7 +229,8 @@ class PipelineParallel:
         device: where activations live.
         act_dtype: dtype of the tensors sent between stages (the model's parameter dtype).
 
-    Schedules (built per micro-batch count and row count, then reused): ``Schedule1F1B``
+    Schedules (built per micro-batch count and row count and reused; one for training and one for
+    evaluation are kept): ``Schedule1F1B``
     (one stage per rank) or ``ScheduleInterleaved1F1B`` for training, ``ScheduleGPipe`` /
     ``ScheduleLoopedBFS`` forward-only for evaluation. Stage metadata is static (shapes from
     :func:`activation_shapes`), so no forward runs to infer it.
@@ -269,6 +270,8 @@ class PipelineParallel:
 
         key = (n_microbatches, rows, train)
         if key not in self._schedules:
+            for old in [k for k in self._schedules if k[2] == train]:  # one per kind: free the old buffers
+                del self._schedules[old]
             stages = [self._stage(p, s, rows) for p, s in zip(self.parts, self.specs)]
             loss_fn = (lambda out, target: out) if train else None
             if len(stages) == 1:
@@ -282,10 +285,10 @@ class PipelineParallel:
     def _run(self, batches: Sequence[Any], train: bool) -> dict[str, float]:
         self.table.batches, self.table.sums = list(batches), {}
         n = len(batches)
-        index = torch.arange(n, device=self.device)
+        index = torch.arange(n)  # on the host: each stage reads its micro-batch number without a device sync
         schedule = self._schedule(n, int(batches[0].tokens.numel()), train)
         args = (index,) if self.has_first else ()
-        target = torch.zeros(n, device=self.device) if (train and self.has_last) else None
+        target = torch.zeros(n) if (train and self.has_last) else None  # unused by the loss; the schedule wants one
         schedule.step(*args, target=target, return_outputs=False, mb=index)
         return dict(self.table.sums)
 

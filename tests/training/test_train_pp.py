@@ -81,3 +81,34 @@ def test_pp2_stop_resumes_bitwise_and_a_pp2_checkpoint_resumes_at_pp1(new_run):
     recs = train_records(other)
     assert sorted(recs) == list(range(1, 9)) and all(recs[s]["pp"] == 1 and recs[s]["dp"] == 2 for s in range(5, 9))
     assert [(e["pp"], e["dp"], e["resharded"]) for e in _events(other, "layout")][-1] == (1, 2, True)
+
+
+def test_plan_splits_the_world_into_pipeline_ranks_and_refuses_what_the_schedule_cannot_run(write_recipe):
+    from v4launch.errors import ContractViolation
+    from v4launch.training.plan import plan_curriculum
+    from v4launch.training.recipe_io import load_recipe
+
+    def plans(*over: str, world: int = 4):
+        return plan_curriculum(load_recipe(write_recipe(), list(over)).recipe, world)
+
+    got = plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.global_batch_size=4")
+    assert [(p.pp, p.dp, p.cp, p.accum) for p in got] == [(2, 2, 1, 2)] * 3
+    with pytest.raises(ContractViolation, match="1 micro-batches per step, but the pipeline schedule over pp=2"):
+        plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL")  # global batch 2 over dp 2: one micro-batch
+    with pytest.raises(ContractViolation, match="last virtual stage, with 'L'"):
+        plans("parallel.pp=3", "parallel.pp_layout=Et|ttm|L", "parallel.global_batch_size=3", world=3)
+    with pytest.raises(ContractViolation, match="needs parallel.pp_layout|stages but parallel.pp"):
+        plans("parallel.pp=2", "parallel.global_batch_size=4")
+    with pytest.raises(ContractViolation, match="does not divide the 2 ranks of a pipeline rank"):
+        plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.cp=4", "parallel.global_batch_size=4")
+
+
+def test_rank_grid_puts_cp_innermost_and_pp_outermost():
+    from v4launch.training.dist import cp_group_ranks, pipeline_group_ranks
+
+    assert cp_group_ranks(8, 2, pp=2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cp_group_ranks(8, 4, pp=2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert pipeline_group_ranks(8, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert pipeline_group_ranks(4, 4) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="does not divide the 2 ranks of a pipeline rank"):
+        cp_group_ranks(4, 4, pp=2)
