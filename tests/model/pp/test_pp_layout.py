@@ -42,3 +42,18 @@ def test_stages_share_the_models_parameters_under_their_single_device_names():
     assert parts[0].head is None and parts[1].embed is None and "layers.2.attn.wq_a.weight" in names[1]
     parts[1].to(torch.float64)  # a cut moves like a model (shared modules move with it)
     assert model.layers[3].attn.wq_a.weight.dtype == torch.float64
+
+
+def test_the_seam_is_the_identity_at_pp_1_and_refuses_features_not_in_this_build():
+    from v4launch.model.parallel.parallelize import NotAvailableError, ParallelDims, ParallelGroups, parallelize
+
+    model = V4Model(tiny_args(), "dense")
+    pm = parallelize(model, ParallelDims(), ParallelGroups(), torch.device("cpu"))
+    assert pm.model is model and pm.parts == [model] and pm.pipeline is None
+    pm.set_phase("warmup")
+    assert model.phase == "warmup" and model.has_indexer
+    for dims, field in ((ParallelDims(ep=2), "parallel.ep=2"),
+                        (ParallelDims(distributed_optimizer=True), "parallel.distributed_optimizer=true")):
+        with pytest.raises(NotAvailableError, match="not available in this build") as err:
+            parallelize(V4Model(tiny_args(), "dense"), dims, ParallelGroups(), torch.device("cpu"))
+        assert field in str(err.value) and "Fix:" in str(err.value)
