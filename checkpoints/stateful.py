@@ -41,16 +41,24 @@ class ModelState:
 
 
 class OptimizerState:
-    """Stateful view of one or more optimizers over ``model`` (state keyed by parameter FQN)."""
+    """Stateful view of one or more optimizers over ``model`` (state keyed by parameter FQN).
+
+    The state dict is FLATTENED (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``): every entry
+    belongs to one parameter, so ranks that hold different parameters (pipeline stages) save and
+    load only their own entries, and a checkpoint loads into any pipeline layout (torchtitan does
+    the same for PP). Unflattened, ``param_groups`` would be one list that only one rank's copy of
+    survives.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer]):
         self.model = model
         self.optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        self.options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {fqn: {...}}, "param_groups": [...]}`` merged over the optimizers."""
-        return get_optimizer_state_dict(self.model, self.optimizers)
+        """``{"state.<fqn>.<key>": ..., "param_groups.<fqn>.<key>": ...}`` merged over the optimizers."""
+        return get_optimizer_state_dict(self.model, self.optimizers, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore every optimizer's state and hyper-parameters from ``state_dict``."""
-        set_optimizer_state_dict(self.model, self.optimizers, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizers, state_dict, options=self.options)

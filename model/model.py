@@ -12,7 +12,7 @@ see :data:`AUX_LOSS_DOC`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from typing import Literal, Optional, Sequence, get_args
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from .loss import HeadLogits
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
-from .packing import Pack, check_ids, shift_in_segment
+from .packing import check_ids, shift_in_segment
 from .parallel import SINGLE_DEVICE, ContextParallel
 
 Phase = Literal["dense", "warmup", "sparse"]
@@ -111,6 +111,17 @@ class MTPLayer(Block, MTPBlock):
         self._init_mtp(args)
 
 
+class LayerDict(nn.ModuleDict):
+    """Decoder layers keyed by ``str(layer_id)`` (state-dict keys ``layers.N.*`` as in a list).
+
+    A pipeline stage keeps only its own layers, so the ids need not be contiguous;
+    ``layers[3]`` and ``layers["3"]`` both name layer 3.
+    """
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        return super().__getitem__(str(key))
+
+
 class V4Model(FP32Pinned):
     """DeepSeek-V4 model for training on packed (THD) batches.
 
@@ -135,7 +146,10 @@ class V4Model(FP32Pinned):
 
     Parameter names and shapes follow the released checkpoint after ``convert.py``
     (``embed.weight``, ``layers.N.*``, ``norm.weight``, ``head.weight``, ``hc_head_*``,
-    ``mtp.K.*``). Weights are drawn from the global RNG (normal(0, init_std) for
+    ``mtp.K.*``). ``layers`` is a :class:`LayerDict`; a pipeline stage (``model/parallel/
+    pipeline.py``) is this model with the layers and top-level modules it does not run removed
+    (``None``), and calls the forward pieces :meth:`batch_context`, :meth:`embed_streams`,
+    :meth:`run_layers` and :meth:`head_losses` that :meth:`forward` composes. Weights are drawn from the global RNG (normal(0, init_std) for
     matrices, ones for norms and hc scales, zeros for sinks, ``ape``, hc bases and router
     biases); indexers are drawn from a generator seeded by ``args.seed`` and the layer id,
     so every rank builds identical indexers in :meth:`set_phase`.
@@ -157,7 +171,7 @@ class V4Model(FP32Pinned):
         with_indexer = phase != "dense"
         d, hc = args.dim, args.hc_mult
         self.embed = nn.Embedding(args.vocab_size, d)
-        self.layers = nn.ModuleList(Block(i, args, with_indexer) for i in range(args.n_layers))
+        self.layers = LayerDict({str(i): Block(i, args, with_indexer) for i in range(args.n_layers)})
         self.norm = RMSNorm(d, args.norm_eps)
         self.head = nn.Linear(d, args.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPLayer(args.n_layers + k, args, with_indexer) for k in range(args.n_mtp_layers))
@@ -168,7 +182,7 @@ class V4Model(FP32Pinned):
 
     # ----------------------------------------------------------------- set-up
     def _blocks(self) -> list[Block]:
-        return list(self.layers) + list(self.mtp)
+        return list(self.layers.values()) + list(self.mtp or ())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -250,7 +264,7 @@ class V4Model(FP32Pinned):
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                 labels: Optional[torch.Tensor] = None, return_logits: bool = False) -> ModelOutput:
-        """Packed forward.
+        """Packed forward: :meth:`embed_streams` -> :meth:`run_layers` -> :meth:`head_losses`.
 
         Args:
             tokens: [T] int64 token ids (THD, no batch dim); under CP this rank's L rows.
@@ -262,24 +276,11 @@ class V4Model(FP32Pinned):
         Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels, and under
             CP when cu_seqlens[-1] != cp * L or L < the boundary width.
         """
-        a = self.args
-        shard = self.cp.shard(tokens, cu_seqlens, max_seqlen, a.window_size, a.compress_ratios)
-        pack = shard.pack
-        check_ids(tokens, labels, self.args.vocab_size)
-        ctx = BatchContext(pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
-                           self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
-                           recompute=self.recompute)
-        h = self.embed(tokens)  # [T, dim]
-        h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
+        ctx = self.batch_context(tokens, cu_seqlens, max_seqlen, labels)
         aux: dict[str, torch.Tensor] = {}
-        for block in self.layers:
-            h, kl, bal = block(h, tokens, ctx)
-            _record(aux, block.layer_id, kl, bal)
-        hidden = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.hc_eps, a.norm_eps))
-        logits = self._logits(hidden)  # [T, vocab]
-        lm_loss = _ce(logits, labels, self.cp) if labels is not None else None
-        if labels is not None:
-            self._mtp(h, tokens, labels, pack, ctx, aux)
+        h, e_mtp = self.embed_streams(tokens, ctx, with_mtp=labels is not None)
+        h = self.run_layers(h, tokens, ctx, aux)
+        lm_loss, logits = self.head_losses(h, e_mtp, tokens, labels, ctx, aux)
         return ModelOutput(lm_loss=lm_loss, aux_losses=aux, logits=logits.materialize() if return_logits else None)
 
     def _logits(self, hidden: torch.Tensor) -> HeadLogits:
@@ -287,22 +288,90 @@ class V4Model(FP32Pinned):
         (no [T, vocab] product); ``.materialize()`` gives the logits [T, vocab] (acc dtype)."""
         return HeadLogits(hidden, self.head.weight)
 
-    def _mtp(self, h: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor, pack: Pack,
-             ctx: BatchContext, aux: dict) -> None:
-        """MTP depths: depth k reads token t+k and predicts labels[t+k] (= token t+k+1).
+    def batch_context(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                      labels: Optional[torch.Tensor] = None) -> BatchContext:
+        """Check a packed batch (arguments as in :meth:`forward`) and build the tables every layer reads.
+
+        Raises: ValueError as :meth:`forward`.
+        """
+        shard = self.cp.shard(tokens, cu_seqlens, max_seqlen, self.args.window_size, self.args.compress_ratios)
+        check_ids(tokens, labels, self.args.vocab_size)
+        return BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
+                            self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
+                            recompute=self.recompute)
+
+    def embed_streams(self, tokens: torch.Tensor, ctx: BatchContext,
+                      with_mtp: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """First pipeline piece: tokens [T] -> (streams h [T, hc, dim], MTP embeddings or None).
+
+        The MTP embeddings [depth, T, dim] are ``embed(tok_k)`` of the tokens shifted k places
+        inside their segment (:meth:`mtp_shifts`), for k = 1..depth; None without MTP layers
+        or when ``with_mtp`` is False (no labels: no MTP losses).
+        """
+        h = self.embed(tokens)  # [T, dim]
+        h = h.unsqueeze(1).repeat(1, self.args.hc_mult, 1)  # [T, hc, dim]
+        if not with_mtp or not self.args.n_mtp_layers:
+            return h, None
+        shifted = self.mtp_shifts(tokens, 0, ctx)
+        return h, torch.stack([self.embed(tok) for tok in shifted])  # [depth, T, dim]
+
+    def run_layers(self, h: torch.Tensor, tokens: torch.Tensor, ctx: BatchContext, aux: dict,
+                   layer_ids: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Decoder layers ``layer_ids`` (default: every layer this model holds, in order): h [T, hc, dim] -> same.
+
+        Each layer's raw indexer KL and balance loss go into ``aux`` (names in :data:`AUX_LOSS_DOC`).
+        Raises: KeyError when a layer id is not held here.
+        """
+        blocks = self.layers.values() if layer_ids is None else [self.layers[i] for i in layer_ids]
+        for block in blocks:
+            h, kl, bal = block(h, tokens, ctx)
+            _record(aux, block.layer_id, kl, bal)
+        return h
+
+    def head_losses(self, h: torch.Tensor, e_mtp: Optional[torch.Tensor], tokens: torch.Tensor,
+                    labels: Optional[torch.Tensor], ctx: BatchContext,
+                    aux: dict) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Last pipeline piece: hc_head + norm + head + LM loss, then the MTP layers and their losses.
+
+        Args:
+            h: [T, hc, dim] streams after the last decoder layer.
+            e_mtp: [depth, T, dim] from :meth:`embed_streams` (None: no MTP losses).
+            tokens, labels: [T] as in :meth:`forward` (labels None: no losses).
+            aux: receives ``mtp/depth_K`` and the MTP layers' indexer KL / balance losses.
+        Returns: (lm_loss 0-d or None without labels, logits [T, vocab]).
+        """
+        a = self.args
+        hidden = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.hc_eps, a.norm_eps))
+        logits = self._logits(hidden)  # [T, vocab]
+        if labels is None:
+            return None, logits
+        lm_loss = _ce(logits, labels, self.cp)
+        if e_mtp is not None:
+            self._mtp(h, e_mtp, tokens, labels, ctx, aux)
+        return lm_loss, logits
+
+    def mtp_shifts(self, x: torch.Tensor, fill: int, ctx: BatchContext) -> list[torch.Tensor]:
+        """``x`` [T] shifted k = 1..depth places left inside each segment (``fill`` past its end).
 
         Under CP the row after a rank's last row comes from its right neighbour
         (``cp.next_first``), the same contiguous convention as the labels (seed 000 §12 item 8).
         """
-        tok, lab = tokens, labels
-        cp = self.cp
+        out = []
+        for _ in range(self.args.n_mtp_layers):
+            x = shift_in_segment(x, ctx.pack, fill, self.cp.next_first(x, fill))
+            out.append(x)
+        return out
+
+    def _mtp(self, h: torch.Tensor, e_mtp: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor,
+             ctx: BatchContext, aux: dict) -> None:
+        """MTP depths: depth k reads token t+k (embedding ``e_mtp[k-1]``) and predicts labels[t+k] (= token t+k+1)."""
+        toks, labs = self.mtp_shifts(tokens, 0, ctx), self.mtp_shifts(labels, -100, ctx)
         for k, layer in enumerate(self.mtp, start=1):
-            tok = shift_in_segment(tok, pack, 0, cp.next_first(tok, 0))
-            lab = shift_in_segment(lab, pack, -100, cp.next_first(lab, -100))
-            x = layer.mtp_input(h, self.embed(tok))  # [T, hc, dim]
-            h, kl, bal = layer(x, tok, ctx)
+            x = layer.mtp_input(h, e_mtp[k - 1])  # [T, hc, dim]
+            h, kl, bal = layer(x, toks[k - 1], ctx)
             _record(aux, layer.layer_id, kl, bal)
-            aux[f"mtp/depth_{k}"] = _ce(self._logits(layer.mtp_hidden(h, self.args.hc_eps, self.args.norm_eps)), lab, cp)
+            aux[f"mtp/depth_{k}"] = _ce(self._logits(layer.mtp_hidden(h, self.args.hc_eps, self.args.norm_eps)),
+                                        labs[k - 1], self.cp)
 
     @torch.no_grad()
     def update_router_bias(self, speed: float) -> None:

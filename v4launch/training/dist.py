@@ -1,35 +1,40 @@
-"""Process-group set-up, the rank layout of each stage and the few collectives the job needs.
+"""Process-group set-up, the rank grid of each stage and the few collectives the job needs.
 
 The rendezvous comes from the environment (torchrun, the local launcher or Slurm via
 v4launch.slurm): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Backend: nccl
 when CUDA is available, else gloo.
 
-Rank layout (docs/training.md "Data and context parallelism"): the world size ``W`` is fixed
-for the run; a stage with context-parallel size ``cp`` has ``dp = W / cp`` data-parallel
-replicas and lays the ranks out as ``[dp][cp]``, CP innermost and contiguous::
+Rank grid (docs/parallelism.md "Rank grid"): the world size ``W`` and the pipeline size ``pp``
+are fixed for the run; ``S = W / pp`` ranks ("data × context") sit on each pipeline rank, and
+a stage with context-parallel size ``cp`` lays them out as ``[dp][cp]``, ``dp = S / cp``::
 
-    rank = dp_rank * cp + cp_rank          CP group d: ranks d*cp .. d*cp + cp - 1
-                                           DP group c: ranks c, cp + c, 2*cp + c, ...
+    rank = pp_rank * S + dp_rank * cp + cp_rank      CP innermost and contiguous, PP outermost
+    CP group (p, d): ranks p*S + d*cp .. p*S + d*cp + cp - 1
+    S group p:       ranks p*S .. p*S + S - 1        (the ranks that hold the same stages)
+    pipeline group j: ranks j, S + j, 2*S + j, ...   (the same data, one rank per pipeline rank)
 
 so with one node per CP group the boundary exchange and the all-gather stay on the node.
-The CP groups of every CP size the curriculum uses are created once at start-up
+All groups of every CP size the curriculum uses are created once at start-up
 (:class:`Groups`; ``new_group`` is collective over the whole world, so every rank creates
-every group in the same order).
+every group in the same order). With pp = 1 the S group is the world.
 
 Gradients: every parameter has a gradient tensor on every rank (zeros where unused) and one
-flat all-reduce SUM over the WORLD, divided by ``dp``, replaces "SUM over CP, then mean over
+flat all-reduce SUM over the S group, divided by ``dp``, replaces "SUM over CP, then mean over
 DP" (:func:`average_grads`). Proof: with ``g[d][c]`` the gradient of DP replica ``d``, CP rank
 ``c``, the CP sum gives ``G[d] = Σ_c g[d][c]`` on every rank of CP group ``d``; the DP mean
-gives ``(1/dp) Σ_d G[d] = (1/dp) Σ_d Σ_c g[d][c] = (1/dp) Σ_world g``, the same on every
-rank. (DP groups are therefore never built.) Scalars the model returns replicated on every
-CP rank (all losses) average to their DP mean over the world: ``Σ_world x / W = Σ_d cp·x[d] /
-(dp·cp)``. Instead of DDP (whose buckets would have to be rebuilt when a phase change adds
-the indexer parameters) this is one flat all-reduce per step with a fixed order.
+gives ``(1/dp) Σ_d G[d] = (1/dp) Σ_d Σ_c g[d][c] = (1/dp) Σ_S g``, the same on every rank of
+the S group. (DP groups are therefore never built.) Scalars the model returns replicated on
+every CP rank (all losses) average to their DP mean over the S group: ``Σ_S x / S = Σ_d
+cp·x[d] / (dp·cp)``. Each pipeline rank holds other parameters, so its S group reduces only
+them; the gradient norm sums the squared norms of the pipeline ranks (:func:`global_grad_norm`).
+Instead of DDP (whose buckets would have to be rebuilt when a phase change adds the indexer
+parameters) this is one flat all-reduce per step with a fixed order.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,21 +86,39 @@ def init_distributed() -> DistInfo:
 
 
 def teardown(info: DistInfo) -> None:
-    """Destroy the process group if this job created it."""
+    """Destroy the process group if this job created it.
+
+    The closing barrier is skipped while an exception propagates (called from a ``finally``): the
+    other ranks may be waiting in a collective or a pipeline receive that this rank will never
+    join, and the barrier would hang this rank instead of letting it report its error.
+    """
     if info.owns_group and dist.is_initialized():
-        dist.barrier()
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 
-def cp_group_ranks(world: int, cp: int) -> list[list[int]]:
-    """The CP groups of a stage: ``[[d*cp + c for c in range(cp)] for d in range(world // cp)]``.
+def cp_group_ranks(world: int, cp: int, pp: int = 1) -> list[list[int]]:
+    """The CP groups of a stage: ``[[p*S + d*cp + c for c in range(cp)] for p, d]`` with ``S = world / pp``.
 
     Raises:
-        ValueError: ``cp`` does not divide ``world``.
+        ValueError: ``pp`` does not divide ``world`` or ``cp`` does not divide ``S``.
     """
-    if cp < 1 or world % cp:
-        raise ValueError(f"cp={cp} does not divide the world size {world}")
-    return [[d * cp + c for c in range(cp)] for d in range(world // cp)]
+    if pp < 1 or world % pp:
+        raise ValueError(f"pp={pp} does not divide the world size {world}")
+    S = world // pp
+    if cp < 1 or S % cp:
+        raise ValueError(f"cp={cp} does not divide the world size {world}" if pp == 1 else
+                         f"cp={cp} does not divide the {S} ranks of a pipeline rank (world {world} / pp {pp})")
+    return [[p * S + d * cp + c for c in range(cp)] for p in range(pp) for d in range(S // cp)]
+
+
+def pipeline_group_ranks(world: int, pp: int) -> list[list[int]]:
+    """The pipeline groups: ``[[p*S + j for p in range(pp)] for j in range(S)]`` with ``S = world / pp``."""
+    if pp < 1 or world % pp:
+        raise ValueError(f"pp={pp} does not divide the world size {world}")
+    S = world // pp
+    return [[p * S + j for p in range(pp)] for j in range(S)]
 
 
 def dp_group_ranks(world: int, cp: int) -> list[list[int]]:
@@ -107,13 +130,17 @@ def dp_group_ranks(world: int, cp: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class Layout:
-    """This rank's place in one stage's ``[dp][cp]`` grid (see the module docstring).
+    """This rank's place in one stage's ``[pp][dp][cp]`` grid (see the module docstring).
 
     Attributes:
-        world, dp, cp: sizes (``world = dp · cp``; tp = pp = 1).
-        dp_rank, cp_rank: ``divmod(rank, cp)``; the data loader is sharded by ``dp_rank / dp``.
+        world, dp, cp, pp: sizes (``world = pp · dp · cp``; tp = 1).
+        dp_rank, cp_rank: ``divmod(rank % S, cp)``; the data loader is sharded by ``dp_rank / dp``
+            (the ranks of a pipeline group read the same micro-batches).
         hooks: what the model gets as ``cp=``: a ``ContextParallelGroup`` over this rank's CP
             group when ``cp > 1``, else the single-device default.
+        pp_rank: this rank's pipeline rank (``rank // S``).
+        shard_group: the S group (ranks of this pipeline rank), None = the world (pp = 1).
+        pipe_group: the pipeline group (one rank per pipeline rank), None when pp = 1.
     """
 
     world: int
@@ -122,31 +149,54 @@ class Layout:
     dp_rank: int
     cp_rank: int
     hooks: Any
+    pp: int = 1
+    pp_rank: int = 0
+    shard_group: Any = None
+    pipe_group: Any = None
+
+    @property
+    def shard_size(self) -> int:
+        """S = dp · cp, the ranks of one pipeline rank."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
-        """``dp 2 x cp 1`` (for log lines)."""
-        return describe_layout(self.dp, self.cp)
+        """``dp 2 x cp 1`` (``pp 2 x dp 1 x cp 1`` under PP; for log lines)."""
+        return describe_layout(self.dp, self.cp, self.pp)
 
 
-def describe_layout(dp: int, cp: int) -> str:
+def describe_layout(dp: int, cp: int, pp: int = 1) -> str:
     """``dp 2 x cp 1``: a rank layout in log lines (a live ``Layout`` or one read from a manifest)."""
-    return f"dp {dp} x cp {cp}"
+    return f"dp {dp} x cp {cp}" if pp == 1 else f"pp {pp} x dp {dp} x cp {cp}"
 
 
 class Groups:
-    """The CP process groups of every CP size in ``cp_sizes``, created once on every rank.
+    """The process groups of the rank grid, created once on every rank: pipeline and S groups
+    (pp > 1) and the CP groups of every CP size in ``cp_sizes``.
 
     ``layout(cp)`` returns this rank's :class:`Layout` for a stage with that CP size.
     """
 
-    def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int]) -> None:
+    def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int], pp: int = 1) -> None:
         from ..model.parallel import SINGLE_DEVICE, ContextParallelGroup
 
-        self.info = info
+        self.info, self.pp = info, pp
+        self.shard_size = info.world // pp
+        self.pp_rank = info.rank // self.shard_size
+        self.pipe_group = self.shard_group = None
+        if pp > 1:  # collective: same groups, same order on every rank
+            for ranks in pipeline_group_ranks(info.world, pp):
+                group = dist.new_group(ranks)
+                if info.rank in ranks:
+                    self.pipe_group = group
+            for p in range(pp):
+                ranks = list(range(p * self.shard_size, (p + 1) * self.shard_size))
+                group = dist.new_group(ranks)
+                if info.rank in ranks:
+                    self.shard_group = group
         self._hooks: dict[int, Any] = {1: SINGLE_DEVICE}
         for cp in sorted(set(cp_sizes) - {1}):
             mine = None
-            for ranks in cp_group_ranks(info.world, cp):  # collective: same groups, same order on every rank
+            for ranks in cp_group_ranks(info.world, cp, pp):
                 group = dist.new_group(ranks)
                 if info.rank in ranks:
                     mine = group
@@ -154,11 +204,12 @@ class Groups:
 
     def layout(self, cp: int) -> Layout:
         """This rank's layout for a stage of CP size ``cp`` (one of ``cp_sizes``)."""
-        world = self.info.world
         if cp not in self._hooks:
             raise ValueError(f"no CP groups of size {cp} were built (sizes: {sorted(self._hooks)})")
-        dp_rank, cp_rank = divmod(self.info.rank, cp)
-        return Layout(world=world, dp=world // cp, cp=cp, dp_rank=dp_rank, cp_rank=cp_rank, hooks=self._hooks[cp])
+        dp_rank, cp_rank = divmod(self.info.rank % self.shard_size, cp)
+        return Layout(world=self.info.world, dp=self.shard_size // cp, cp=cp, dp_rank=dp_rank, cp_rank=cp_rank,
+                      hooks=self._hooks[cp], pp=self.pp, pp_rank=self.pp_rank, shard_group=self.shard_group,
+                      pipe_group=self.pipe_group)
 
 
 def fill_missing_grads(params: list[torch.Tensor]) -> None:
@@ -168,20 +219,22 @@ def fill_missing_grads(params: list[torch.Tensor]) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = None) -> None:
+def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = None, group: Any = None) -> None:
     """SUM gradients over each CP group and average them over the ``dp`` data-parallel replicas.
 
-    One flat all-reduce SUM over the world (fixed order) divided by ``dp`` (default: the world,
-    i.e. cp = 1); equal to CP-sum + DP-mean (module docstring). Float32 buffer (float64 when a
-    gradient is float64).
+    One flat all-reduce SUM over ``group`` (the S group; None = the world) in a fixed order,
+    divided by ``dp`` (default: the world, i.e. cp = 1); equal to CP-sum + DP-mean (module
+    docstring). Float32 buffer (float64 when a gradient is float64).
     """
     if not info.active:
         return
     dp = info.world if dp is None else dp
     grads = [p.grad for p in params]
+    if not grads:
+        return
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     flat /= dp
     offset = 0
     for g in grads:
@@ -190,22 +243,54 @@ def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = N
         offset += n
 
 
-def sum_tensors(tensors: list[torch.Tensor], info: DistInfo) -> None:
-    """All-reduce (sum) ``tensors`` in place over the world, e.g. the experts' token counts before the
-    bias update (each rank counts only its own rows, so the world sum is the global load under CP)."""
+def global_grad_norm(params: list[torch.Tensor], pipe_group: Any) -> torch.Tensor:
+    """L2 norm of the gradients of the WHOLE model: ``sqrt(Σ_pipeline ranks |g_p|²)``.
+
+    Call after :func:`average_grads`, when every rank of an S group holds the same gradients;
+    ``pipe_group`` has one rank per pipeline rank. 0-d float64 tensor on the gradients' device.
+    """
+    local = torch.nn.utils.get_total_norm([p.grad for p in params]).to(torch.float64) if params else \
+        torch.zeros((), dtype=torch.float64)
+    sq = local.square().reshape(1)
+    dist.all_reduce(sq, group=pipe_group)
+    return sq.sqrt().reshape(())
+
+
+def sum_tensors(tensors: list[torch.Tensor], info: DistInfo, group: Any = None) -> None:
+    """All-reduce (sum) ``tensors`` in place over ``group`` (the S group; None = the world), e.g. the
+    experts' token counts before the bias update (each rank counts only its own rows, so the S-group
+    sum is the global load under CP and DP)."""
     if info.active:
         for t in tensors:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
 
 
-def mean_scalars(values: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Average a dict of floats over ranks (same keys on every rank, sorted order)."""
+def mean_scalars(values: dict[str, float], info: DistInfo, group: Any = None) -> dict[str, float]:
+    """Average a dict of floats over the ranks of ``group`` (None = the world; same keys on every
+    rank of the group, sorted order)."""
     if not info.active or not values:
         return values
     keys = sorted(values)
+    size = dist.get_world_size(group) if group is not None else info.world
     t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t)
-    return {k: float(v) / info.world for k, v in zip(keys, t.tolist())}
+    dist.all_reduce(t, group=group)
+    return {k: float(v) / size for k, v in zip(keys, t.tolist())}
+
+
+def gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Every rank's picklable ``obj`` over ``group``, in group-rank order (collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def merge_over(values: dict[str, float], group: Any) -> dict[str, float]:
+    """The union of every rank's ``values`` over ``group`` (e.g. each pipeline rank's losses of its
+    own layers); a key present on several ranks keeps the value of the lowest rank."""
+    out: dict[str, float] = {}
+    for part in reversed(gather_objects(values, group)):
+        out.update(part)
+    return dict(sorted(out.items()))
 
 
 def any_rank(flag: bool, info: DistInfo) -> bool:

@@ -19,19 +19,22 @@ from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage, resolved for the run's world: ``dp = world / cp`` data-parallel replicas of ``cp`` ranks.
+    """One stage, resolved for the run's world: ``dp = world / (pp · cp)`` data-parallel replicas of ``cp``
+    ranks on each of the ``pp`` pipeline ranks.
 
     Attributes:
         index, name, phase, seq_len: from the stage (seq_len in tokens per packed sequence).
         cp: context-parallel size of the stage (``stage.cp`` or ``parallel.cp``).
-        dp: data-parallel size of the stage = world / cp.
+        dp: data-parallel size of the stage = world / (pp · cp).
         steps: optimizer steps of the stage (``steps``, or ``ceil(tokens / (global_batch·seq_len))``).
         first_step: global step at which the stage starts.
         global_batch: packed sequences per optimizer step (all ranks).
         micro_batch: packed sequences per forward on one rank.
-        accum: micro-batches per step on each rank = global_batch / (micro_batch · dp).
+        accum: micro-batches per step on each rank = global_batch / (micro_batch · dp) (under PP: the
+            micro-batches of the pipeline schedule).
         peak_lr: this stage's peak AdamW learning rate.
         kernel_backend: attention kernels of the stage (``stage.kernel_backend`` or ``attention.kernel_backend``).
+        pp: pipeline-parallel size of the run (``parallel.pp``; the same in every stage).
     """
 
     index: int
@@ -47,6 +50,7 @@ class StagePlan:
     accum: int
     peak_lr: float
     kernel_backend: str = "reference"
+    pp: int = 1
 
     @property
     def end_step(self) -> int:
@@ -60,22 +64,24 @@ class StagePlan:
 
 
 def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
-    """Resolve every stage of ``recipe`` for a run of ``world`` ranks (tp = pp = 1, dp = world / cp per stage).
+    """Resolve every stage of ``recipe`` for a run of ``world`` ranks (tp = 1, dp = world / (pp · cp) per stage).
 
     Raises:
-        ContractViolation: a tp/pp > 1 recipe; a stage whose cp does not divide the world, whose
-            packed sequence does not split into cp slices of at least the boundary width; a global batch not divisible
-            by micro_batch · dp; a stage whose indexer_loss override the bundled model cannot follow.
+        ContractViolation: a tp > 1 recipe; a pipeline the job cannot run (:func:`_check_pp`); a stage whose cp
+            does not divide the ranks of a pipeline rank, whose packed sequence does not split into cp slices of
+            at least the boundary width; a global batch not divisible by micro_batch · dp; a stage whose
+            indexer_loss override the bundled model cannot follow; under PP, fewer micro-batches than the
+            schedule needs.
     """
-    if recipe.parallel.tp != 1 or recipe.parallel.pp != 1:
-        raise ContractViolation(
-            f"parallel.tp={recipe.parallel.tp}, parallel.pp={recipe.parallel.pp}: the training job runs tp = pp = 1 only",
-            hint="set parallel.tp=1 parallel.pp=1 (V4 hybrid attention has no TP; PP is not available yet)")
+    if recipe.parallel.tp != 1:
+        raise ContractViolation(f"parallel.tp={recipe.parallel.tp}: the training job runs tp = 1 only",
+                                hint="set parallel.tp=1 (V4 hybrid attention has no TP)")
+    pp = _check_pp(recipe, world)
     plans, step = [], 0
     for i, st in enumerate(recipe.curriculum.stages):
         cp = recipe.stage_cp(st)
-        _check_cp(recipe, i, st, cp, world)
-        dp = world // cp
+        _check_cp(recipe, i, st, cp, world, pp)
+        dp = world // (pp * cp)
         if st.phase != "dense" and st.indexer_loss not in (None, DEFAULT_INDEXER_LOSS[st.phase]):
             raise ContractViolation(
                 f"curriculum.stages[{i}] '{st.name}': indexer_loss={st.indexer_loss!r} in phase {st.phase!r} — "
@@ -88,23 +94,66 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
                 f"curriculum.stages[{i}] '{st.name}': global batch {gbs} is not divisible by micro_batch_size "
                 f"{micro} x data-parallel size {dp}", hint="choose a global_batch_size that is a multiple of "
                 f"{micro * dp}")
+        accum = gbs // (micro * dp)
+        _check_pipeline_batches(recipe, i, st, accum, micro * dp)
         n = st.steps if st.steps is not None else math.ceil(st.tokens / (gbs * st.seq_len))
         plans.append(StagePlan(index=i, name=st.name, phase=st.phase, seq_len=st.seq_len, cp=cp, dp=dp, steps=n,
                                first_step=step,
-                               global_batch=gbs, micro_batch=micro, accum=gbs // (micro * dp),
+                               global_batch=gbs, micro_batch=micro, accum=accum,
                                peak_lr=st.lr if st.lr is not None else recipe.optimizer.lr,
-                               kernel_backend=st.kernel_backend or recipe.attention.kernel_backend))
+                               kernel_backend=st.kernel_backend or recipe.attention.kernel_backend, pp=pp))
         step += n
     return plans
 
 
-def _check_cp(recipe: Any, i: int, st: Any, cp: int, world: int) -> None:
+def _check_pp(recipe: Any, world: int) -> int:
+    """The run's pipeline size, refused when the world does not split into it or the layout cannot run."""
+    par = recipe.parallel
+    pp, vpp = par.pp, par.vpp
+    if pp < 1 or world % pp:
+        raise ContractViolation(f"parallel.pp={pp} does not divide the world size {world} (cluster.nodes x "
+                                "cluster.gpus_per_node)", hint=f"choose a pp that divides {world}")
+    if pp * vpp == 1:
+        return pp
+    if pp == 1:
+        raise ContractViolation(f"parallel.vpp={vpp} with parallel.pp=1: virtual stages need pipeline ranks",
+                                hint="set parallel.vpp=1, or parallel.pp > 1")
+    from ..model.parallel.pipeline import stage_specs
+
+    m = recipe.model
+    try:
+        stage_specs(par.pp_layout or "", pp, vpp, m.n_layers, m.mtp.depth)
+    except ValueError as exc:
+        raise ContractViolation(str(exc).split(" Fix:")[0],
+                                hint="set parallel.pp_layout to the layout `v4launch validate` proposes") from None
+    return pp
+
+
+def _check_pipeline_batches(recipe: Any, i: int, st: Any, accum: int, per_round: int) -> None:
+    """Under PP the schedule's micro-batches (the stage's accum) must fill it: at least pp (1F1B); with
+    vpp > 1 (interleaved 1F1B) also divisible by its rounds ``max(1, accum // pp)``."""
+    pp, vpp = recipe.parallel.pp, recipe.parallel.vpp
+    if pp == 1:
+        return
+    rounds = max(1, accum // pp)
+    if accum < pp or (vpp > 1 and accum % rounds):
+        need = f"at least {pp}" + (f", in rounds of equal size (a count divisible by max(1, count // pp) = {rounds})"
+                                   if vpp > 1 else "")
+        raise ContractViolation(
+            f"curriculum.stages[{i}] '{st.name}': {accum} micro-batches per step, but the pipeline schedule over "
+            f"pp={pp} ranks needs {need}", hint=f"raise the stage's global batch to a multiple of {per_round * pp}")
+
+
+def _check_cp(recipe: Any, i: int, st: Any, cp: int, world: int, pp: int = 1) -> None:
     """Refuse a stage's CP size the job cannot run (the validator's V4-CP-* rules, checked again here)."""
     where = f"curriculum.stages[{i}] '{st.name}'"
-    if cp < 1 or world % cp:
+    ranks = world // pp
+    if cp < 1 or ranks % cp:
+        size = f"the world size {world} (cluster.nodes x cluster.gpus_per_node)" if pp == 1 else \
+            f"the {ranks} ranks of a pipeline rank (world {world} / parallel.pp {pp})"
         raise ContractViolation(
-            f"{where}: cp={cp} does not divide the world size {world} (cluster.nodes x cluster.gpus_per_node)",
-            hint=f"choose a cp that divides {world} (curriculum.stages.{i}.cp), or change cluster.gpus_per_node")
+            f"{where}: cp={cp} does not divide {size}",
+            hint=f"choose a cp that divides {ranks} (curriculum.stages.{i}.cp), or change cluster.gpus_per_node")
     if cp == 1:
         return
     from ..validators.derived import boundary_width

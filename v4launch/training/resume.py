@@ -195,8 +195,8 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     groups = param_groups_for(recipe, target_phase, manifest, recipe_hash(recipe) == manifest.recipe_hash)
     try:
         report = check_resume(manifest, recipe=recipe, target_stage_index=idx, target_phase=target_phase,
-                              parallel_sizes={"world": world, "dp": target.dp, "cp": target.cp, "pp": 1, "tp": 1,
-                                              "ep": 1},
+                              parallel_sizes={"world": world, "dp": target.dp, "cp": target.cp, "pp": target.pp,
+                                              "tp": 1, "ep": 1},
                               tokenizer_fingerprint=get_tokenizer(recipe.data.tokenizer).fingerprint(),
                               param_groups=groups, allow=set(allow))
     except ValueError as exc:

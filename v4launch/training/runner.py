@@ -9,14 +9,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids, describe_params
 from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoints.stateful import ModelState, OptimizerState
-from ..errors import RefusedError
+from ..errors import ContractViolation, RefusedError
 from ..model import V4Model
+from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
-from .dist import DistInfo, Groups, Layout, any_rank, describe_layout
+from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
@@ -33,7 +36,10 @@ class Runner:
         self.run, self.recipe, self.info, self.dataset = run, run.recipe, info, dataset
         set_determinism(self.recipe.run.deterministic, self.recipe.run.threads)
         self.plans: list[StagePlan] = plan_curriculum(self.recipe, info.world)
-        self.groups = Groups(info, {p.cp for p in self.plans})  # collective: every rank, same order
+        par = self.recipe.parallel
+        self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
+                                 distributed_optimizer=par.distributed_optimizer)
+        self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
         self.args = model_args_from_recipe(self.recipe)
@@ -46,7 +52,8 @@ class Runner:
         self.loader_stage = -1
         self.last_saved: tuple[int, Path] | None = None
         self.resumed_from: Path | None = None
-        self.saved_layout: tuple[int, int] | None = None  # (dp, cp) the loaded checkpoint was written at
+        self.saved_layout: tuple[int, int, int] | None = None  # (dp, cp, pp) the loaded checkpoint was written at
+        self.pm: ParallelModel | None = None
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
         if ckpt is None:
@@ -63,8 +70,17 @@ class Runner:
 
     # ------------------------------------------------------------ build / load
     def _build(self, phase: str) -> None:
+        """The single-device model (same seed on every rank), cut to this rank's part of the layout."""
         chunk = self.recipe.attention.kl_chunk_size
-        self.model = V4Model(self.args, phase=phase, chunk_size=chunk, cp=self.layout.hooks).to(self.info.device)
+        full = V4Model(self.args, phase=phase, chunk_size=chunk, cp=self.layout.hooks).to(self.info.device)
+        groups = ParallelGroups(pp_rank=self.groups.pp_rank, pipeline=self.groups.pipe_group,
+                                shard=self.groups.shard_group)
+        try:
+            self.pm = parallelize(full, self.dims, groups, self.info.device, cp=self.layout.hooks)
+        except (ValueError, NotImplementedError) as exc:
+            raise ContractViolation(str(exc).split(" Fix: ")[0], hint=str(exc).partition(" Fix: ")[2] or
+                                    "check `v4launch validate`") from None
+        self.model = self.pm.model  # this rank's parameters under their single-device names
         self.opt = Optimizers(self.model, self.recipe.optimizer)
         self.progress.phase = phase
 
@@ -115,7 +131,7 @@ class Runner:
         self._saved_loader = pickle.loads(blob) if blob else None
         self.resumed_from = path
         par = manifest.parallel
-        self.saved_layout = (par["dp"], par["cp"]) if "dp" in par and "cp" in par else None
+        self.saved_layout = (par["dp"], par["cp"], par.get("pp", 1)) if "dp" in par and "cp" in par else None
         self.last_saved = (self.progress.step, path)
 
     def _apply_request(self, request: dict | None) -> None:
@@ -131,7 +147,7 @@ class Runner:
         where = f"resumed from {self.resumed_from.name}" if self.resumed_from else "fresh start"
         plan = self.plans[min(p.stage_index, len(self.plans) - 1)]
         self.metrics.event(p.step, "start", f"run {self.run.paths.root.name}: {where} at step {p.step}, stage "
-                           f"{plan.name}, phase {p.phase}, world {self.info.world} (dp {plan.dp} x cp {plan.cp})",
+                           f"{plan.name}, phase {p.phase}, world {self.info.world} ({describe_layout(plan.dp, plan.cp, plan.pp)})",
                            resumed_from=str(self.resumed_from or ""))
 
     def enter_stage(self, plan: StagePlan) -> None:
@@ -156,23 +172,26 @@ class Runner:
         the first stage after a resume the one the checkpoint was written at."""
         old = self.layout
         self.layout = self.groups.layout(plan.cp)
-        self.model.cp = self.layout.hooks
-        new = (self.layout.dp, self.layout.cp)
+        self.pm.set_cp(self.layout.hooks)
+        new = (self.layout.dp, self.layout.cp, self.layout.pp)
         after_resume = self.loader is None and self.saved_layout is not None
-        before = self.saved_layout if after_resume else (old.dp, old.cp)
+        before = self.saved_layout if after_resume else (old.dp, old.cp, old.pp)
         if before != new:
             step = self.progress.step
             was = describe_layout(*before) + (f" (checkpoint {self.resumed_from.name})" if after_resume else "")
             self.metrics.event(step, "layout", f"stage {plan.name}: {was} -> {self.layout.describe()} "
                                f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
-                               f"{self.layout.cp_rank})", dp=self.layout.dp, cp=self.layout.cp,
+                               f"{self.layout.cp_rank}{self._pp_rank_text()})", dp=self.layout.dp, cp=self.layout.cp, pp=self.layout.pp,
                                resharded=after_resume)
+
+    def _pp_rank_text(self) -> str:
+        return f", pp rank {self.layout.pp_rank}" if self.layout.pp > 1 else ""
 
     def _set_kernels(self, plan: StagePlan) -> None:
         """The stage's attention kernels; the log says which backend this device actually runs and why."""
         if self.model.kernel_backend == plan.kernel_backend and self.loader is not None:
             return
-        self.model.set_kernel_backend(plan.kernel_backend)
+        self.pm.set_kernel_backend(plan.kernel_backend)
         backend = self.model.kernels_for(self.info.device)
         self.metrics.event(self.progress.step, "kernels", f"stage {plan.name}: attention kernels "
                            f"{plan.kernel_backend} -> running {backend.name} ({backend.reason})",
@@ -185,7 +204,7 @@ class Runner:
             self._regress_phase(phase)
         else:
             before = {n for n, _ in self.model.named_parameters()}
-            self.model.set_phase(phase)
+            self.pm.set_phase(phase)
             new = [(n, q) for n, q in self.model.named_parameters() if n not in before]
             if new:
                 self.opt.add_params(self.model, new, "indexer")
@@ -228,13 +247,13 @@ class Runner:
         stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
                            grad_clip=self.recipe.optimizer.grad_clip,
                            bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast,
-                           cp=plan.cp)
+                           cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout)
         dt = time.monotonic() - t0
         p = self.progress
         p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \
             p.elapsed_s + dt
         rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
-               "step": p.step, "dp": plan.dp, "cp": plan.cp, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
+               "step": p.step, "dp": plan.dp, "cp": plan.cp, "pp": plan.pp, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
                "aux": stats.aux, "aux_sum": stats.kinds, "aux_weighted": stats.weighted,
                "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp},
                "total_loss": stats.total, "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(dt, 1e-9),
@@ -246,7 +265,7 @@ class Runner:
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
         batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
-        result = evaluate(self.model, batches, self.info, self.autocast)
+        result = evaluate(self.model, batches, self.info, self.autocast, pipeline=self.pm.pipeline, layout=self.layout)
         if result:
             self.metrics.eval({"kind": "eval", "stage": plan.name, "stage_index": plan.index,
                                "phase": self.model.phase, "step": self.progress.step, **result})
@@ -262,15 +281,16 @@ class Runner:
         p = self.progress
         if self.last_saved is not None and self.last_saved[0] == p.step:
             return self.last_saved[1]
-        names = {id(q): n for n, q in self.model.named_parameters()}
-        groups = {g["name"]: describe_params([(names[id(q)], q) for q in g["params"]]) for g in self.opt.param_groups}
+        groups, summary = self._param_group_tables()
         manifest = Manifest.for_recipe(
             self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
-            parallel_sizes={"world": self.info.world, "dp": plan.dp, "cp": plan.cp, "pp": 1, "tp": 1, "ep": 1},
+            parallel_sizes={"world": self.info.world, "dp": plan.dp, "cp": plan.cp, "pp": self.dims.pp, "tp": 1,
+                            "ep": 1},
             tokenizer_fingerprint=self.dataset.tokenizer, param_groups=groups,
             indexer_layers=csa_layer_ids(self.args.compress_ratios) if self.model.has_indexer else (),
             extra={"step_in_stage": p.step_in_stage, "model_phase": self.model.phase, "run": self.run.paths.root.name,
-                   "transitions": list(p.transitions), "param_groups": self.opt.summary(self.model)})
+                   "transitions": list(p.transitions), "param_groups": summary,
+                   "vpp": self.dims.vpp, "pp_layout": self.dims.pp_layout})
         with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             path = save_checkpoint(self.ckpt_root, p.step, self._states(), manifest,
@@ -278,6 +298,29 @@ class Runner:
         self.last_saved = (p.step, path)
         self.metrics.event(p.step, "checkpoint", f"checkpoint {path.name} saved", path=str(path))
         return path
+
+    def _param_group_tables(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The optimizer groups of the WHOLE model for the manifest: (describe_params per group, opt.summary).
+
+        Under PP each pipeline rank holds other parameters: the tables of the pipeline group are merged
+        (collective over it), so a manifest reads the same whatever the pp."""
+        names = {id(q): n for n, q in self.model.named_parameters()}
+        local = [(g["name"], [(names[id(q)], q.dtype) for q in g["params"]]) for g in self.opt.param_groups]
+        summary = self.opt.summary(self.model)
+        if self.layout.pipe_group is not None:
+            named: dict[str, list] = {}
+            merged: dict[str, Any] = {}
+            for rank_local, rank_summary in gather_objects((local, summary), self.layout.pipe_group):
+                for g, pairs in rank_local:
+                    named.setdefault(g, []).extend(pairs)
+                for g, sm in rank_summary.items():
+                    m = merged.setdefault(g, {"optimizer": sm["optimizer"], "dtypes": {}, "n_params": 0, "names": []})
+                    for dt, c in sm["dtypes"].items():
+                        m["dtypes"][dt] = m["dtypes"].get(dt, 0) + c
+                    m["n_params"], m["names"] = m["n_params"] + sm["n_params"], m["names"] + sm["names"]
+            local, summary = list(named.items()), merged
+        return {g: describe_params((n, torch.empty(0, dtype=dt, device="meta")) for n, dt in pairs)
+                for g, pairs in local}, summary
 
     def halt(self, status: str, plan: StagePlan) -> TrainResult:
         """Save (unless this step is already saved) and build the result."""

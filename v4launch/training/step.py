@@ -17,6 +17,14 @@ Under context parallelism each rank forwards its contiguous slice of the micro-b
 model returns GLOBAL losses (identical on every CP rank) whose backward is local, so the
 gradients are SUMMED over the CP group and averaged over the DP replicas (``average_grads``
 with ``dp``); expert loads are summed over the world; a token is counted once (÷ cp).
+
+Under pipeline parallelism (``pipeline``: model/parallel/pipeline.py) the schedule runs the
+``accum`` micro-batches through the stages; each stage's gradients equal the single-device
+step's for its parameters (the schedule's 1/accum, the aux losses of non-last stages joined
+by an identity autograd function). Gradients, expert loads and losses are then reduced over
+the S group of the rank's pipeline rank instead of the world, the gradient norm sums every
+pipeline rank's squares, and each pipeline rank's losses (its own layers; LM and MTP on the
+last) are merged over the pipeline group, so the metrics look as with pp = 1.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .dist import DistInfo, average_grads, fill_missing_grads, mean_scalars, sum_tensors
+from .dist import (DistInfo, Layout, average_grads, fill_missing_grads, global_grad_norm, mean_scalars, merge_over,
+                   sum_tensors)
 from .optim import Optimizers
 
 AUX_KINDS = ("indexer_kl", "balance", "mtp")
@@ -98,8 +107,18 @@ def autocast_for(dtype_name: str, device: torch.device) -> Callable[[], contextl
     return contextlib.nullcontext
 
 
-def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo) -> StepStats:
-    means = mean_scalars({k: v / n for k, v in sums.items()}, info)
+def _reduced_means(sums: dict[str, float], n: int, info: DistInfo, layout: Layout | None) -> dict[str, float]:
+    """Per-name mean over micro-batches and the S group (the world when pp = 1), merged over the pipeline."""
+    group = layout.shard_group if layout is not None else None
+    means = mean_scalars({k: v / n for k, v in sums.items()}, info, group)
+    if layout is not None and layout.pipe_group is not None:
+        means = merge_over(means, layout.pipe_group)
+    return means
+
+
+def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo,
+           layout: Layout | None = None) -> StepStats:
+    means = _reduced_means(sums, n, info, layout)
     aux = {k: v for k, v in means.items() if k != "lm_loss"}
     kinds = {kind: sum(v for k, v in aux.items() if k.startswith(kind + "/")) for kind in AUX_KINDS
              if any(k.startswith(kind + "/") for k in aux)}
@@ -109,17 +128,16 @@ def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo)
 
 
 def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, weights: LossWeights,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, torch.Tensor], int, int]:
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, float], int, int]:
     """Forward + backward of each micro-batch with ``total / accum``; gradients accumulate in ``.grad``.
 
-    Returns (sum over micro-batches of each loss name's raw value as a detached 0-d tensor on the
-    model's device -- summed there, so nothing waits for the device inside the step --, micro-batches,
-    real tokens of the micro-batches: under CP the whole micro-batch's, ``num_real_tokens`` stays global).
+    Returns (sum over micro-batches of each loss name's raw value, micro-batches, real tokens of the
+    micro-batches: under CP the whole micro-batch's, ``num_real_tokens`` stays global).
 
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, float] = {}
     n = tokens = 0
     for mb in micro_batches:
         with autocast():
@@ -127,8 +145,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
         loss = compose_loss(out.lm_loss, out.aux_losses, weights)
         (loss / accum).backward()
         for name, value in (("lm_loss", out.lm_loss), *out.aux_losses.items()):
-            value = value.detach().to(torch.float64)
-            sums[name] = value if name not in sums else sums[name] + value
+            sums[name] = sums.get(name, 0.0) + float(value.detach())
         n += 1
         tokens += int(getattr(mb, "num_real_tokens", mb.tokens.numel()))
     if n != accum:
@@ -138,7 +155,8 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
 
 def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
                weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
-               autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1) -> StepStats:
+               autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1,
+               pipeline: Any = None, layout: Layout | None = None) -> StepStats:
     """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases.
 
     Args:
@@ -148,51 +166,68 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         accum: micro-batches per step on this rank; every loss term is scaled by 1/accum.
         grad_clip: global L2 norm clip (0 = no clipping; the norm is still reported).
         bias_speed: aux-loss-free router bias speed gamma (expert loads summed over ranks first).
-        cp: context-parallel size of the stage (the world holds ``dp = world / cp`` replicas).
+        cp: context-parallel size of the stage (the world holds ``dp = world / cp`` replicas when pp = 1).
+        pipeline: this rank's ``PipelineParallel`` (pp > 1; ``model`` is then the rank's parameter view).
+        layout: the stage's rank layout (required with ``pipeline``: its S and pipeline groups).
+    Raises:
+        RuntimeError: the number of micro-batches is not ``accum``.
     """
     model.train()
-    sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
+    if pipeline is None:
+        sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
+        layout = None
+    else:
+        batches = list(micro_batches)
+        if len(batches) != accum:
+            raise RuntimeError(f"step got {len(batches)} micro-batches, expected {accum}")
+        with autocast():
+            sums = pipeline.step(batches, weights.of)
+        n, tokens = accum, sum(int(getattr(mb, "num_real_tokens", mb.tokens.numel())) for mb in batches)
     params = opt.params
     fill_missing_grads(params)
-    average_grads(params, info, dp=info.world // cp)
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+    group = layout.shard_group if layout is not None else None
+    average_grads(params, info, dp=layout.dp if layout is not None else info.world // cp, group=group)
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    if layout is not None and layout.pipe_group is not None:
+        norm = global_grad_norm(params, layout.pipe_group)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     opt.step()
     opt.zero_grad()
-    sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info)
+    sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
     model.update_router_bias(bias_speed)
-    host = to_host({**sums, "grad_norm": norm})  # the step's one device -> host transfer
-    stats = _stats({k: v for k, v in host.items() if k != "grad_norm"}, n, weights, info)
-    stats.grad_norm = host["grad_norm"]
+    stats = _stats(sums, n, weights, info, layout)
+    stats.grad_norm = float(norm)
     # every rank of a CP group reports its micro-batches' (global) token count: count them once
-    stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info)["tokens"] * info.world / cp)
+    ranks = layout.shard_size if layout is not None else info.world
+    stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info, group)["tokens"] * ranks / cp)
     return stats
-
-
-def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """0-d tensors (any devices) -> floats with ONE device synchronisation: stacked, then copied."""
-    if not values:
-        return {}
-    keys = list(values)
-    device = values[keys[0]].device
-    stacked = torch.stack([values[k].detach().to(device=device, dtype=torch.float64).reshape(()) for k in keys])
-    return dict(zip(keys, stacked.tolist()))
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
-             autocast: Callable[[], contextlib.AbstractContextManager]) -> dict[str, float]:
+             autocast: Callable[[], contextlib.AbstractContextManager], pipeline: Any = None,
+             layout: Layout | None = None) -> dict[str, float]:
     """Mean held-out LM loss (nats/token) over ``batches`` (averaged over ranks; under CP every rank of a
-    CP group holds the same global value, so the world mean is the mean over DP replicas)."""
+    CP group holds the same global value, so the world mean is the mean over DP replicas). Under PP the
+    last stage computes it (forward-only schedule) and the pipeline group shares it."""
     model.eval()
-    total: torch.Tensor | None = None
+    sums: dict[str, float] = {}
     n = 0
-    for mb in batches:
+    if pipeline is not None:
+        batches = list(batches)
         with autocast():
-            out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
-        loss = out.lm_loss.detach().to(torch.float64)
-        total = loss if total is None else total + loss
-        n += 1
+            sums = {k: v for k, v in pipeline.evaluate(batches).items() if k == "lm_loss"}
+        n = len(batches)
+    else:
+        layout = None
+        for mb in batches:
+            with autocast():
+                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
+            sums["lm_loss"] = sums.get("lm_loss", 0.0) + float(out.lm_loss)
+            n += 1
     model.train()
     if n == 0:
         return {}
-    return mean_scalars({"lm_loss": to_host({"lm_loss": total})["lm_loss"] / n}, info)
+    return _reduced_means(sums, n, info, layout)

@@ -1,0 +1,161 @@
+"""The seam: apply a parallel layout to the single-device V4 model (docs/parallelism.md "The seam").
+
+``parallelize(model, dims, groups, device) -> ParallelModel`` takes the ``V4Model`` every rank
+built identically (same seed) and returns what this rank runs. Order, fixed (torchtitan's
+``parallelize_deepseekv3``): expert parallel → pipeline split → FSDP → CP hooks. The model
+files stay single-device; every step here changes module structure or installs hooks from
+outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..model import V4Model
+from .base import SINGLE_DEVICE, ContextParallel
+from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
+
+
+class NotAvailableError(NotImplementedError):
+    """A parallel feature the layout asks for is not part of this build."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The run's fixed parallel sizes (``parallel.*`` of the recipe; dp and cp vary per curriculum stage).
+
+    Attributes:
+        pp, vpp, pp_layout: pipeline ranks, virtual stages per rank and the layout string
+            (required when pp · vpp > 1).
+        ep: expert-parallel size (folds over the S ranks of a pipeline rank).
+        distributed_optimizer: shard parameters, gradients and optimizer state with FSDP2.
+    """
+
+    pp: int = 1
+    vpp: int = 1
+    pp_layout: Optional[str] = None
+    ep: int = 1
+    distributed_optimizer: bool = False
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp * self.vpp > 1
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups (None where the size is 1).
+
+    Attributes:
+        pp_rank: this rank's pipeline rank.
+        pipeline: the pipeline group (one rank per pipeline rank, pipeline-rank order).
+        shard: the S group (the dp · cp ranks of this pipeline rank), for FSDP and EP.
+    """
+
+    pp_rank: int = 0
+    pipeline: Any = None
+    shard: Any = None
+
+
+@dataclass
+class ParallelModel:
+    """What one rank runs.
+
+    Attributes:
+        model: a ``V4Model`` holding exactly this rank's modules under their single-device FQNs
+            (the input model itself when pp = 1): give it to the optimizer and the checkpoint.
+        parts: the modules the forward runs, one per local pipeline stage (``[model]`` when pp = 1).
+        pipeline: the stages and schedules (None when pp = 1).
+        specs: the local stages' :class:`StageSpec` s (empty when pp = 1).
+    """
+
+    model: V4Model
+    parts: list[V4Model]
+    pipeline: Optional[PipelineParallel] = None
+    specs: list[StageSpec] = field(default_factory=list)
+
+    @property
+    def schedule(self) -> Any:
+        """The training schedule's owner (:class:`PipelineParallel`), or None when pp = 1."""
+        return self.pipeline
+
+    def _all(self) -> list[V4Model]:
+        return [self.model] + [p for p in self.parts if p is not self.model]
+
+    def set_cp(self, hooks: ContextParallel) -> None:
+        """Install the curriculum stage's CP hooks on every part (the last step of the seam)."""
+        for m in self._all():
+            m.cp = hooks
+
+    def set_phase(self, phase: str) -> None:
+        """``V4Model.set_phase`` once on :attr:`model` (the parts share its blocks), then the parts follow."""
+        self.model.set_phase(phase)
+        for p in self.parts:
+            p.phase = phase
+
+    def set_kernel_backend(self, name: str) -> None:
+        """``V4Model.set_kernel_backend`` on the model and every part."""
+        for m in self._all():
+            m.set_kernel_backend(name)
+
+    def train(self, mode: bool = True) -> None:
+        """Training / evaluation mode of the model and every part."""
+        for m in self._all():
+            m.train(mode)
+
+    def update_router_bias(self, speed: float) -> None:
+        """Router bias step of this rank's MoE layers (expert counts already summed over the S group)."""
+        self.model.update_router_bias(speed)
+
+
+def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device,
+                cp: ContextParallel = SINGLE_DEVICE) -> ParallelModel:
+    """Apply ``dims`` to ``model`` for this rank (see the module docstring for the order).
+
+    Args:
+        model: the single-device model, on ``device``, built identically on every rank.
+        dims, groups: sizes and this rank's groups (:class:`ParallelDims`, :class:`ParallelGroups`).
+        cp: the first curriculum stage's CP hooks (:meth:`ParallelModel.set_cp` changes them later).
+    Returns: :class:`ParallelModel`. With pp = 1 its ``model`` is ``model`` itself.
+    Raises:
+        NotAvailableError: ep > 1 or distributed_optimizer (not in this build).
+        ValueError: a pp_layout the pipeline cannot run (:func:`pipeline.stage_specs`).
+    """
+    # 1. Expert parallel: prune experts to this EP rank's, install the all-to-all dispatcher.
+    if dims.ep > 1:  # call site: expert.apply_expert_parallel(model, groups.ep, dims.ep, ep_rank)
+        raise NotAvailableError(f"parallel.ep={dims.ep}: expert parallelism is not available in this build. "
+                                "Fix: set parallel.ep=1.")
+    # 2. Pipeline split: keep only this rank's stages.
+    if dims.pipelined:
+        pm = _split(model, dims, groups, device)
+    else:
+        pm = ParallelModel(model=model, parts=[model])
+    # 3. FSDP: fully_shard per block, per MTP layer, then per part, over groups.shard.
+    if dims.distributed_optimizer:  # call site: fsdp.apply_fsdp(part, groups.shard, ...) for part in pm.parts
+        raise NotAvailableError("parallel.distributed_optimizer=true: sharded data parallel (FSDP2) is not "
+                                "available in this build. Fix: set parallel.distributed_optimizer=false.")
+    # 4. CP hooks.
+    pm.set_cp(cp)
+    return pm
+
+
+def _split(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device) -> ParallelModel:
+    """Cut this rank's stages out of ``model`` and a rank view over all of them."""
+    a = model.args
+    if dims.pp_layout is None:
+        raise ValueError(f"parallel.pp={dims.pp}, parallel.vpp={dims.vpp}: a pipeline needs parallel.pp_layout. "
+                         "Fix: set parallel.pp_layout (`v4launch validate` proposes one).")
+    specs = local_specs(stage_specs(dims.pp_layout, dims.pp, dims.vpp, a.n_layers, a.n_mtp_layers), groups.pp_rank)
+    parts = [cut_stage(model, s) for s in specs]
+    union = StageSpec(index=specs[0].index, n_stages=specs[0].n_stages, pp_rank=groups.pp_rank,
+                      layer_ids=tuple(i for s in specs for i in s.layer_ids),
+                      has_embed=any(s.has_embed for s in specs), has_mtp=any(s.has_mtp for s in specs),
+                      has_loss=any(s.has_loss for s in specs))
+    view = cut_stage(model, union, cls=V4Model)
+    act_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    pipeline = PipelineParallel(parts, specs, groups.pipeline, device, act_dtype)
+    return ParallelModel(model=view, parts=parts, pipeline=pipeline, specs=specs)
+
