@@ -114,11 +114,12 @@ def check_triton_sm90_only(ctx: Context):
 
 @rule("V4-SM90-DENSE-LOSS", fields=("cluster.gpu", "attention.kernel_backend", "curriculum.stages.*.phase",
                                     "curriculum.stages.*.indexer_loss", "attention.indexer_loss_coeff"),
-      fix="use the sparse indexer loss for this stage, or kernel_backend=reference for it")
+      fix="run the stage with kernel_backend=reference (a warm-up stage always trains the dense KL target)")
 def check_sm90_dense_loss(ctx: Context):
-    """On SM90, fused CSA kernels with a dense indexer loss are rejected (sparse loss or reference kernels instead).
+    """On SM90, fused CSA kernels with a dense indexer loss are rejected (reference kernels for that stage instead).
 
-    Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1.
+    Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1. The job ties the KL target to the
+    phase (V4-PHASE-INDEXER-TARGET), so the fix is the stage's kernels, never its indexer_loss.
     """
     s, sm = ctx.stage, ctx.sm
     if sm is None or sm // 10 != 9:
@@ -130,8 +131,9 @@ def check_sm90_dense_loss(ctx: Context):
     field = ctx.stage_path("indexer_loss" if s.indexer_loss else "phase")
     value = s.indexer_loss or s.phase
     if s.effective_indexer_loss == "dense":
-        fix = (f"set {ctx.stage_path('indexer_loss')}=sparse, or {ctx.stage_path('kernel_backend')}=reference "
-               f"(or attention.kernel_backend=reference)")
+        fix = f"set {ctx.stage_path('kernel_backend')}=reference"
+        if s.phase == "sparse":  # a dense override of a sparse stage: the job trains the sparse target
+            fix = f"remove {ctx.stage_path('indexer_loss')} (set it to null)"
         return ctx.finding(field, value, f"dense indexer loss with fused '{ctx.backend}' kernels on SM{sm}", fix)
     return ctx.ok(field, value)
 
