@@ -26,6 +26,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import RecipeError
+from .validators.schema.limits import MAX_TEXT_CHARS
 from .recipe_yaml import MAX_DEPTH, MAX_TEXT_BYTES, YamlLimitError, compose
 from .validators.schema import Recipe
 from .validators.schema_errors import describe_validation_error
@@ -106,13 +107,18 @@ class SourceMap:
     def __init__(self) -> None:
         self._root = _Where()
 
-    def _set(self, path: str, where: str, kind: str) -> None:
-        node = self._root
+    def _set(self, path: str, where: str, kind: str, node: _Where | None = None) -> _Where:
+        """Record ``path`` (relative to ``node``, default the root); return its trie node."""
+        node = node or self._root
         for part in path.split("."):
-            node = node.children.setdefault(part, _Where())
+            child = node.children.get(part)
+            if child is None:
+                child = node.children[part] = _Where()
+            node = child
         if kind != "map":  # a list or scalar replaces everything a base set below it
             node.children.clear()
         node.where, node.kind = where, kind
+        return node
 
     def add_file(self, file: Path, lines: dict[str, tuple[int, str]]) -> None:
         shown = display_path(file)
@@ -120,14 +126,12 @@ class SourceMap:
             self._set(path, f"{shown}:{line}", kind)
 
     def add_override(self, key: str, value: Any, label: str) -> None:
-        self._set(key, label, _kind(value))
-        stack = [(key, value)]
+        stack = [(self._set(key, label, _kind(value)), value)]
         while stack:
-            prefix, val = stack.pop()
+            node, val = stack.pop()
             children = val.items() if isinstance(val, dict) else enumerate(val) if isinstance(val, list) else ()
             for k, v in children:
-                self._set(f"{prefix}.{k}", label, _kind(v))
-                stack.append((f"{prefix}.{k}", v))
+                stack.append((self._set(str(k), label, _kind(v), node), v))
 
     def lookup(self, dotted: str) -> str:
         """Source of ``dotted`` (``a.b[2].c`` or ``a.b.2.c``).
@@ -288,7 +292,7 @@ def _apply_override(data: dict, text: str, sources: SourceMap) -> None:
         raise RecipeError(f"bad override '{_short(text)}': a key of {key.count('.') + 1} parts; recipes nest at most "
                           f"{MAX_DEPTH} levels", hint="keys are dotted paths into the recipe, e.g. parallel.cp=8")
     try:
-        value = compose(raw)[0] if raw.strip() else None
+        value = compose(raw, lines=False)[0] if raw.strip() else None
     except (yaml.YAMLError, YamlLimitError) as err:
         raise RecipeError(f"bad override '{_short(text)}': {_first_line(err)}",
                           hint="the value is YAML 1.2: a number, text, [a, b] or {k: v}; no custom tags or "
@@ -301,15 +305,45 @@ def _apply_override(data: dict, text: str, sources: SourceMap) -> None:
     sources.add_override(key, value, f"override {_short(text)}")
 
 
-def _needs_omegaconf(value: Any) -> bool:
-    """True when a string holds an interpolation (``${...}``) or omegaconf's missing marker ``???``."""
-    if isinstance(value, str):
-        return "${" in value or value == "???"
-    if isinstance(value, dict):
-        return any(_needs_omegaconf(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_needs_omegaconf(v) for v in value)
-    return False
+MAX_INTERPOLATIONS = 16
+"""Most ``${...}`` in one recipe. Nested string interpolations multiply lengths (``b: ${a}${a}${a}``),
+so with at most 16 of them and strings of at most 4096 characters a resolved string stays near 1 MiB."""
+
+MAX_INTERPOLATED_NODES = 4000
+"""Largest recipe (values counted) resolved by omegaconf, which costs ~0.4 ms per value; shipped
+recipes have ~200 values."""
+
+
+def _interpolation_load(data: Any) -> tuple[int, int, int]:
+    """(values, ``${`` occurrences + ``???`` markers, longest string) of plain data, iteratively."""
+    nodes = marks = longest = 0
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        nodes += 1
+        if isinstance(value, str):
+            marks += value.count("${") + (value == "???")
+            longest = max(longest, len(value))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return nodes, marks, longest
+
+
+def _check_interpolation_load(data: dict, file: Path) -> bool:
+    """True when ``data`` needs omegaconf; refuses a recipe too large to resolve within the time and memory bounds."""
+    nodes, marks, longest = _interpolation_load(data)
+    if not marks:
+        return False
+    problem = (f"{marks} interpolations (at most {MAX_INTERPOLATIONS})" if marks > MAX_INTERPOLATIONS else
+               f"{nodes} values (at most {MAX_INTERPOLATED_NODES} with interpolations)" if nodes > MAX_INTERPOLATED_NODES else
+               f"a string of {longest} characters (at most {MAX_TEXT_CHARS} with interpolations)" if longest > MAX_TEXT_CHARS
+               else None)
+    if problem:
+        raise RecipeError(f"{display_path(file)}: refused: the recipe uses ${{...}} interpolation and has {problem}",
+                          hint="write the values out instead of interpolating them, or shorten the recipe")
+    return True
 
 
 def _interpolate(data: dict, sources: SourceMap, file: Path) -> dict:
@@ -338,7 +372,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     data = _chain(file, sources)
     for text in overrides:
         _apply_override(data, text, sources)
-    if _needs_omegaconf(data):
+    if _check_interpolation_load(data, file):
         data = _interpolate(data, sources, file)
     try:
         recipe = Recipe.model_validate(data)

@@ -36,7 +36,7 @@ import yaml
 MAX_TEXT_BYTES = 1 << 20
 """Largest recipe file or override value (1 MiB; shipped recipes are under 5 KiB)."""
 
-MAX_NODES = 100_000
+MAX_NODES = 50_000
 """Most nodes (mapping entries, list items, scalars) a document may expand to, aliases expanded."""
 
 MAX_ALIASES = 1_000
@@ -159,7 +159,8 @@ def _record_copy(lines: dict[str, tuple[int, str]], path: str, value: Any, line:
 class _Composer:
     """Builds plain data from parse events under the module's limits (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, track_lines: bool = True) -> None:
+        self.track_lines = track_lines
         self.stack: list[_Open] = []
         self.anchors: dict[str, _Anchor] = {}
         self.open_anchors: set[str] = set()
@@ -186,7 +187,7 @@ class _Composer:
 
     def _record(self, path: str | None, value: Any, line: int) -> None:
         """Note the line that sets ``path`` (a mapping entry: its key's line) before its children's."""
-        if path is not None:
+        if path is not None and self.track_lines:
             top = self.stack[-1]
             self.lines[path] = (top.key_line if isinstance(top.value, dict) else line, _kind(value))
 
@@ -200,7 +201,7 @@ class _Composer:
         path = self._child_path(line)
         if record:
             self._record(path, value, line)
-        if aliased:
+        if aliased and self.track_lines:
             _record_copy(self.lines, path, value, line)
         top = self.stack[-1]
         if isinstance(top.value, list):
@@ -284,12 +285,13 @@ class _Composer:
         self._place(_copy(target.value), line, aliased=True)
 
 
-def compose(text: str) -> tuple[Any, dict[str, tuple[int, str]]]:
+def compose(text: str, lines: bool = True) -> tuple[Any, dict[str, tuple[int, str]]]:
     """Parse ``text`` (one YAML document) into plain data and the (line, kind) of each dotted path.
 
     Returns:
         (data, lines): ``data`` is None for an empty document; ``lines`` maps ``a.b.0`` to the
-        1-based line that set it and its kind ("map", "seq" or "scalar"). Linear in the expanded size.
+        1-based line that set it and its kind ("map", "seq" or "scalar"), empty when ``lines`` is
+        False (an override's source is the override itself). Linear in the expanded size.
 
     Raises:
         YamlLimitError: a limit, a forbidden tag, a duplicate key, a cycle, a second document.
@@ -298,7 +300,7 @@ def compose(text: str) -> tuple[Any, dict[str, tuple[int, str]]]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
         raise YamlLimitError(f"{len(text.encode('utf-8', 'surrogatepass'))} bytes; at most {MAX_TEXT_BYTES} "
                              f"({MAX_TEXT_BYTES >> 10} KiB)", 1)
-    comp = _Composer()
+    comp = _Composer(lines)
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for ev in yaml.parse(text, Loader=loader):
         if isinstance(ev, yaml.ScalarEvent):

@@ -77,7 +77,7 @@ def check_offload(ctx: Context):
 
 
 @rule("V4-KERNEL-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
-      fix="target an SM90+ GPU (cluster.gpu=H100/H200/B200…) or use kernel_backend=reference")
+      fix="use kernel_backend=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
 def check_kernel_sm(ctx: Context):
     """Fused kernel backends (triton, cudnn) need an SM90-or-newer GPU.
 
@@ -88,7 +88,8 @@ def check_kernel_sm(ctx: Context):
         return ctx.na(f"kernel_backend={backend}")
     if ctx.sm is None or ctx.sm < 90:
         where = "a CPU target" if ctx.sm is None else f"SM{ctx.sm}"
-        return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})")
+        return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})",
+                           f"set {ctx.backend_field}=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
     return ctx.ok(ctx.backend_field, backend, f"SM{ctx.sm}")
 
 
@@ -149,5 +150,6 @@ def check_kernel_available(ctx: Context):
     if ctx.backend == "cudnn":
         return ctx.finding(ctx.backend_field, ctx.backend,
                            "kernel_backend 'cudnn' (FlashMLA + cuDNN DSA) is not available in the bundled model: "
-                           "the job would stop at its first forward")
+                           "the job would stop at its first forward",
+                           f"set {ctx.backend_field}=reference (or triton on SM90)")
     return ctx.ok(ctx.backend_field, ctx.backend)

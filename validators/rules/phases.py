@@ -7,7 +7,7 @@ from .base import Context, rule
 
 
 @rule("V4-PHASE-INDEXER-LOSS", fields=("curriculum.stages.*.phase", "attention.indexer_loss_coeff"),
-      fix="set attention.indexer_loss_coeff > 0 (1e-2 is the released recipes' value)")
+      fix="set attention.indexer_loss_coeff=1e-2 (the released recipes' value; any value > 0 trains the indexer)")
 def check_indexer_trains(ctx: Context):
     """Warm-up and sparse stages need indexer_loss_coeff > 0, otherwise the indexer never trains.
 
