@@ -189,27 +189,35 @@ class LoadedRecipe:
         return yaml.safe_dump(self.resolved, sort_keys=False, default_flow_style=None, width=120)
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a name the OS refuses (too long, NUL byte)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _find(path: str | Path) -> Path:
     """``path`` itself, else a shipped recipe of that name (``flash_4n`` or ``flash_4n.yaml``)."""
     p = Path(path)
-    if p.is_file():
+    if _is_file(p):
         return p.resolve()
     if p.parent == Path("."):
         shipped = Path(__file__).resolve().parent.parent / "recipes"
         for cand in (shipped / p.name, shipped / f"{p.name}.yaml"):
-            if cand.is_file():
+            if _is_file(cand):
                 return cand.resolve()
         try:
             from importlib.resources import files
 
             pkg = files("v4launch.recipes")
             for name in (p.name, f"{p.name}.yaml"):
-                if pkg.joinpath(name).is_file():
+                if _is_file(Path(str(pkg.joinpath(name)))):
                     return Path(str(pkg.joinpath(name))).resolve()
         except (ModuleNotFoundError, TypeError):
             pass
     shipped_names = sorted(f.stem for f in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
-    raise RecipeError(f"recipe not found: {path}",
+    raise RecipeError(f"recipe not found: {_short(str(path))}",
                       hint="give the path of a .yaml recipe, or the name of a shipped one: "
                            + (", ".join(shipped_names) or "flash_4n"))
 

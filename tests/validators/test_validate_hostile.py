@@ -265,3 +265,10 @@ def test_warmup_stage_sparse_target_is_refused_as_the_job_refuses_it(tmp_path: P
     path = str(write_recipe(tmp_path, base()))
     code, text = guarded(tmp_path, [path, "curriculum.stages.1.indexer_loss=sparse"])
     assert code == 1 and "V4-PHASE-INDEXER-TARGET" in text and "remove curriculum.stages.1.indexer_loss" in text
+
+
+@pytest.mark.parametrize("args", [["x" * 5000], ["a\x00b.yaml"], ["/" + "y/" * 3000 + "r.yaml"], ["/dev/zero"], ["/tmp"],
+                                  ["x" * 5000 + "=1"]])
+def test_odd_recipe_names_are_refused_cleanly(tmp_path: Path, args: list[str]):
+    code, text = guarded(tmp_path, args)
+    assert code == 2 and ("recipe not found" in text or "no recipe given" in text)
