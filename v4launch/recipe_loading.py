@@ -26,34 +26,15 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import RecipeError
+from .validators.schema.limits import MAX_TEXT_CHARS
+from .recipe_yaml import MAX_DEPTH, MAX_TEXT_BYTES, YamlLimitError, compose
 from .validators.schema import Recipe
 from .validators.schema_errors import describe_validation_error
 
 EXTENDS_KEY = "extends"
 _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
-
-
-_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class RecipeLoader(_SafeLoader):  # type: ignore[misc,valid-type]
-    """Safe YAML loader that reads ``1e-2`` as a float (YAML 1.2) and rejects duplicate keys."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first set on line {seen[key]})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+MAX_EXTENDS = 8
+"""Longest chain of ``extends`` (a recipe, its base, the base's base, …)."""
 
 
 def display_path(path: Path) -> str:
@@ -66,61 +47,78 @@ def display_path(path: Path) -> str:
 
 
 def _kind(value: Any) -> str:
-    return "map" if isinstance(value, (dict, yaml.MappingNode)) else "seq" if isinstance(value, (list, tuple, yaml.SequenceNode)) else "scalar"
+    return "map" if isinstance(value, dict) else "seq" if isinstance(value, (list, tuple)) else "scalar"
 
 
-def _walk(node: yaml.Node, prefix: str, out: dict[str, tuple[int, str]]) -> None:
-    """Record (1-based line, kind) of every key and list item under ``node``, by dotted path."""
-    if isinstance(node, yaml.MappingNode):
-        items = [(str(getattr(k, "value", k)), k.start_mark.line + 1, v) for k, v in node.value]
-    elif isinstance(node, yaml.SequenceNode):
-        items = [(str(i), v.start_mark.line + 1, v) for i, v in enumerate(node.value)]
-    else:
-        return
-    for key, line, child in items:
-        path = f"{prefix}.{key}" if prefix else key
-        out[path] = (line, _kind(child))
-        _walk(child, path, out)
+def _yaml_problem(shown: str, err: Exception) -> RecipeError:
+    """A RecipeError naming the file and line of a YAML syntax error or a refused construct."""
+    if isinstance(err, YamlLimitError):
+        where = f"{shown}:{err.line}" if err.line else shown
+        return RecipeError(f"{where}: refused: {err}",
+                           hint="recipes are plain YAML 1.2 (no custom tags, no self-referencing or exploding "
+                                "aliases); see docs/validate.md \"Input limits\"")
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    line = mark.line + 1 if mark is not None else 1
+    problem = getattr(err, "problem", None) or _first_line(err)
+    return RecipeError(f"{shown}:{line}: invalid YAML: {problem}", hint="check indentation, colons and quotes on that line")
 
 
 def read_yaml(path: Path) -> tuple[dict, dict[str, tuple[int, str]]]:
     """Parse one recipe file: its mapping and the (line, kind) of every dotted path in it."""
     shown = display_path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_TEXT_BYTES + 1)
+        if len(raw) > MAX_TEXT_BYTES:
+            raise RecipeError(f"{shown}: refused: larger than {MAX_TEXT_BYTES >> 10} KiB (shipped recipes are under 5 KiB)",
+                              hint="a recipe holds settings, not data; point data.paths at the data instead")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise RecipeError(f"cannot read {shown}: {err}", hint="check the path and that the file is UTF-8 text") from None
-    loader = RecipeLoader(text)
     try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-        line = mark.line + 1 if mark is not None else 1
-        problem = getattr(err, "problem", None) or _first_line(err)
-        raise RecipeError(f"{shown}:{line}: invalid YAML: {problem}", hint="check indentation, colons and quotes on that line") from None
-    finally:
-        loader.dispose()
+        data, lines = compose(text)
+    except (yaml.YAMLError, YamlLimitError) as err:
+        raise _yaml_problem(shown, err) from None
     if not isinstance(data, dict):
         got = "an empty file" if data is None else f"a {type(data).__name__} ({_first_line(repr(data))[:60]})"
         raise RecipeError(f"{shown}: a recipe is a mapping of sections (name:, model:, parallel:, …), got {got}",
                           hint="start from a shipped recipe, e.g. recipes/flash.yaml")
-    lines: dict[str, tuple[int, str]] = {}
-    _walk(node, "", lines)
     return data, lines
 
 
-class SourceMap:
-    """Where each dotted path got its value: the last file (base → child) or override that set it."""
+class _Where:
+    """One node of the source trie: where this path was set (None: only its descendants were) and its children."""
+
+    __slots__ = ("where", "kind", "children")
 
     def __init__(self) -> None:
-        self._src: dict[str, tuple[str, str]] = {}
+        self.where: str | None = None
+        self.kind = "map"
+        self.children: dict[str, _Where] = {}
 
-    def _set(self, path: str, where: str, kind: str) -> None:
+
+class SourceMap:
+    """Where each dotted path got its value: the last file (base → child) or override that set it.
+
+    A trie keyed by path parts, so recording and looking up are linear in the recipe's size
+    (a 20,000-entry list records in milliseconds).
+    """
+
+    def __init__(self) -> None:
+        self._root = _Where()
+
+    def _set(self, path: str, where: str, kind: str, node: _Where | None = None) -> _Where:
+        """Record ``path`` (relative to ``node``, default the root); return its trie node."""
+        node = node or self._root
+        for part in path.split("."):
+            child = node.children.get(part)
+            if child is None:
+                child = node.children[part] = _Where()
+            node = child
         if kind != "map":  # a list or scalar replaces everything a base set below it
-            for key in [k for k in self._src if k.startswith(path + ".")]:
-                del self._src[key]
-        self._src[path] = (where, kind)
+            node.children.clear()
+        node.where, node.kind = where, kind
+        return node
 
     def add_file(self, file: Path, lines: dict[str, tuple[int, str]]) -> None:
         shown = display_path(file)
@@ -128,14 +126,12 @@ class SourceMap:
             self._set(path, f"{shown}:{line}", kind)
 
     def add_override(self, key: str, value: Any, label: str) -> None:
-        self._set(key, label, _kind(value))
-        stack = [(key, value)]
+        stack = [(self._set(key, label, _kind(value)), value)]
         while stack:
-            prefix, val = stack.pop()
+            node, val = stack.pop()
             children = val.items() if isinstance(val, dict) else enumerate(val) if isinstance(val, list) else ()
             for k, v in children:
-                self._set(f"{prefix}.{k}", label, _kind(v))
-                stack.append((f"{prefix}.{k}", v))
+                stack.append((self._set(str(k), label, _kind(v), node), v))
 
     def lookup(self, dotted: str) -> str:
         """Source of ``dotted`` (``a.b[2].c`` or ``a.b.2.c``).
@@ -146,13 +142,32 @@ class SourceMap:
         its first descendant was set.
         """
         key = re.sub(r"\[(\d+)\]", r".\1", dotted).strip(".")
+        node, found = self._root, None
         parts = key.split(".")
-        for n in range(len(parts), 0, -1):
-            found = self._src.get(".".join(parts[:n]))
-            if found:
-                return found[0] if n == len(parts) or found[1] != "map" else "default"
-        below = next((src for k, src in self._src.items() if k.startswith(key + ".")), None)
-        return below[0] if below else "default"
+        for n, part in enumerate(parts, 1):
+            node = node.children.get(part)
+            if node is None:
+                break
+            if node.where is not None:
+                found = (node.where, node.kind, n)
+        if node is not None and node.where is None:
+            below = self._first_below(node)
+            if below is not None:
+                return below
+        if found is None:
+            return "default"
+        where, kind, n = found
+        return where if n == len(parts) or kind != "map" else "default"
+
+    @staticmethod
+    def _first_below(node: _Where) -> str | None:
+        stack = list(reversed(node.children.values()))
+        while stack:
+            child = stack.pop()
+            if child.where is not None:
+                return child.where
+            stack.extend(reversed(child.children.values()))
+        return None
 
 
 @dataclass(frozen=True)
@@ -174,27 +189,35 @@ class LoadedRecipe:
         return yaml.safe_dump(self.resolved, sort_keys=False, default_flow_style=None, width=120)
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a name the OS refuses (too long, NUL byte)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _find(path: str | Path) -> Path:
     """``path`` itself, else a shipped recipe of that name (``flash_4n`` or ``flash_4n.yaml``)."""
     p = Path(path)
-    if p.is_file():
+    if _is_file(p):
         return p.resolve()
     if p.parent == Path("."):
         shipped = Path(__file__).resolve().parent.parent / "recipes"
         for cand in (shipped / p.name, shipped / f"{p.name}.yaml"):
-            if cand.is_file():
+            if _is_file(cand):
                 return cand.resolve()
         try:
             from importlib.resources import files
 
             pkg = files("v4launch.recipes")
             for name in (p.name, f"{p.name}.yaml"):
-                if pkg.joinpath(name).is_file():
+                if _is_file(Path(str(pkg.joinpath(name)))):
                     return Path(str(pkg.joinpath(name))).resolve()
         except (ModuleNotFoundError, TypeError):
             pass
     shipped_names = sorted(f.stem for f in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
-    raise RecipeError(f"recipe not found: {path}",
+    raise RecipeError(f"recipe not found: {_short(str(path))}",
                       hint="give the path of a .yaml recipe, or the name of a shipped one: "
                            + (", ".join(shipped_names) or "flash_4n"))
 
@@ -224,9 +247,17 @@ def _chain(path: Path, sources: SourceMap, seen: tuple[Path, ...] = ()) -> dict:
         if base_path in (*seen, path):
             cycle = " → ".join(display_path(p) for p in (*seen, path, base_path))
             raise RecipeError(f"{where}: recipe extends itself: {cycle}", hint="remove one of the extends: keys")
+        if len(seen) + 1 >= MAX_EXTENDS:
+            raise RecipeError(f"{where}: more than {MAX_EXTENDS} recipes chained by extends",
+                              hint="flatten the chain: extend a shipped recipe and set the differences")
         merged = _chain(base_path, sources, (*seen, path))
     sources.add_file(path, {k: v for k, v in lines.items() if k != EXTENDS_KEY})
     return _merge(merged, data)
+
+
+def _short(text: str, limit: int = 120) -> str:
+    """``text`` cut to ``limit`` characters for a message (an override may be a megabyte long)."""
+    return text if len(text) <= limit else f"{text[:limit - 20]}… ({len(text)} characters)"
 
 
 def _first_line(err: Exception) -> str:
@@ -239,8 +270,10 @@ def _set_path(data: dict, key: str, value: Any) -> None:
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
+        if not isinstance(node, (dict, list)):
+            raise IndexError(f"{'.'.join(parts[:i])} is a single value, not a mapping or list; no key {part}")
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
+            if not part.isdigit() or len(part) > 9 or int(part) >= len(node):
                 raise IndexError(f"{'.'.join(parts[:i])} has {len(node)} items; no index {part}")
             idx: Any = int(part)
         else:
@@ -259,28 +292,66 @@ def _apply_override(data: dict, text: str, sources: SourceMap) -> None:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not _OVERRIDE_KEY.match(key):
-        raise RecipeError(f"bad override '{text}': expected dotted.key=value, e.g. parallel.cp=8",
+        raise RecipeError(f"bad override '{_short(text)}': expected dotted.key=value, e.g. parallel.cp=8",
                           hint="keys are dotted paths into the recipe; list items by index: curriculum.stages.0.steps=10")
     if key == EXTENDS_KEY:
         raise RecipeError(f"bad override '{text}': extends cannot be overridden", hint="edit the recipe's extends: line")
+    if key.count(".") >= MAX_DEPTH:
+        raise RecipeError(f"bad override '{_short(text)}': a key of {key.count('.') + 1} parts; recipes nest at most "
+                          f"{MAX_DEPTH} levels", hint="keys are dotted paths into the recipe, e.g. parallel.cp=8")
     try:
-        value = yaml.load(raw, Loader=RecipeLoader) if raw.strip() else None
+        value = compose(raw, lines=False)[0] if raw.strip() else None
+    except (yaml.YAMLError, YamlLimitError) as err:
+        raise RecipeError(f"bad override '{_short(text)}': {_first_line(err)}",
+                          hint="the value is YAML 1.2: a number, text, [a, b] or {k: v}; no custom tags or "
+                               "self-referencing aliases") from None
+    try:
         _set_path(data, key, value)
-    except (yaml.YAMLError, IndexError) as err:
-        raise RecipeError(f"bad override '{text}': {_first_line(err)}",
+    except IndexError as err:
+        raise RecipeError(f"bad override '{_short(text)}': {_first_line(err)}",
                           hint="check the key path exists (list indices must be in range) and the value is YAML") from None
-    sources.add_override(key, value, f"override {text}")
+    sources.add_override(key, value, f"override {_short(text)}")
 
 
-def _needs_omegaconf(value: Any) -> bool:
-    """True when a string holds an interpolation (``${...}``) or omegaconf's missing marker ``???``."""
-    if isinstance(value, str):
-        return "${" in value or value == "???"
-    if isinstance(value, dict):
-        return any(_needs_omegaconf(v) for v in value.values())
-    if isinstance(value, list):
-        return any(_needs_omegaconf(v) for v in value)
-    return False
+MAX_INTERPOLATIONS = 16
+"""Most ``${...}`` in one recipe. Nested string interpolations multiply lengths (``b: ${a}${a}${a}``),
+so with at most 16 of them and strings of at most 4096 characters a resolved string stays near 1 MiB."""
+
+MAX_INTERPOLATED_NODES = 4000
+"""Largest recipe (values counted) resolved by omegaconf, which costs ~0.4 ms per value; shipped
+recipes have ~200 values."""
+
+
+def _interpolation_load(data: Any) -> tuple[int, int, int]:
+    """(values, ``${`` occurrences + ``???`` markers, longest string) of plain data, iteratively."""
+    nodes = marks = longest = 0
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        nodes += 1
+        if isinstance(value, str):
+            marks += value.count("${") + (value == "???")
+            longest = max(longest, len(value))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return nodes, marks, longest
+
+
+def _check_interpolation_load(data: dict, file: Path) -> bool:
+    """True when ``data`` needs omegaconf; refuses a recipe too large to resolve within the time and memory bounds."""
+    nodes, marks, longest = _interpolation_load(data)
+    if not marks:
+        return False
+    problem = (f"{marks} interpolations (at most {MAX_INTERPOLATIONS})" if marks > MAX_INTERPOLATIONS else
+               f"{nodes} values (at most {MAX_INTERPOLATED_NODES} with interpolations)" if nodes > MAX_INTERPOLATED_NODES else
+               f"a string of {longest} characters (at most {MAX_TEXT_CHARS} with interpolations)" if longest > MAX_TEXT_CHARS
+               else None)
+    if problem:
+        raise RecipeError(f"{display_path(file)}: refused: the recipe uses ${{...}} interpolation and has {problem}",
+                          hint="write the values out instead of interpolating them, or shorten the recipe")
+    return True
 
 
 def _interpolate(data: dict, sources: SourceMap, file: Path) -> dict:
@@ -309,7 +380,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     data = _chain(file, sources)
     for text in overrides:
         _apply_override(data, text, sources)
-    if _needs_omegaconf(data):
+    if _check_interpolation_load(data, file):
         data = _interpolate(data, sources, file)
     try:
         recipe = Recipe.model_validate(data)

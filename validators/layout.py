@@ -20,6 +20,14 @@ from dataclasses import dataclass
 SYMBOLS = frozenset("EtmL")
 """Layer symbols: E embedding, t decoder layer, m MTP layer, L loss."""
 
+MAX_SYMBOLS = 1 << 16
+"""Most symbols (layers, E, L and '|') a layout may expand to: checked before expanding, so a
+short string with a huge repeat count (``(t|)*10000000``) is refused instead of filling memory.
+model.n_layers is at most 1024, so any valid layout is far smaller."""
+
+MAX_COUNT_DIGITS = 6
+"""Longest repeat count after '*' (a larger count could never fit ``MAX_SYMBOLS``)."""
+
 
 class LayoutSyntaxError(ValueError):
     """A layout string that does not parse; ``column`` is the 0-based offending position."""
@@ -57,7 +65,17 @@ def _count(text: str, i: int) -> tuple[int, int]:
         j += 1
     if j == i + 1:
         raise LayoutSyntaxError("expected a repeat count after '*'", i)
+    if j - i - 1 > MAX_COUNT_DIGITS:
+        raise LayoutSyntaxError(f"repeat count of {j - i - 1} digits; a layout expands to at most {MAX_SYMBOLS} symbols", i)
     return int(text[i + 1 : j]), j
+
+
+def _grow(out: list[str], part: list[str], n: int, column: int) -> None:
+    """Append ``part`` repeated ``n`` times, refusing before it would pass ``MAX_SYMBOLS``."""
+    if len(out) + len(part) * n > MAX_SYMBOLS:
+        raise LayoutSyntaxError(f"the layout expands to more than {MAX_SYMBOLS} symbols (model.n_layers is at most "
+                                "1024); check the repeat counts", column)
+    out.extend(part * n)
 
 
 def _expand(text: str, i: int, in_group: bool) -> tuple[list[str], int]:
@@ -78,12 +96,13 @@ def _expand(text: str, i: int, in_group: bool) -> tuple[list[str], int]:
             if not body:
                 raise LayoutSyntaxError("empty group '()'", i)
             n, i = _count(text, j + 1)
-            out.extend(body * n)
+            _grow(out, body, n, j + 1)
             continue
         if c not in SYMBOLS and c != "|":
             raise LayoutSyntaxError(f"invalid character {c!r}; layouts use E t m L | ( ) * digits and commas", i)
+        start = i
         n, i = _count(text, i + 1) if i + 1 < len(text) and text[i + 1] == "*" else (1, i + 1)
-        out.extend(c * n)
+        _grow(out, [c], n, start)
     if in_group:
         raise LayoutSyntaxError("unclosed '('", i)
     return out, i

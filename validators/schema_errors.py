@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import types
 from typing import Any, Callable, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
+from .peer_names import peer_name
 from .schema.recipe import Recipe
 
 TOP_LEVEL_EXTRA = ("extends",)
@@ -62,6 +64,42 @@ def did_you_mean(word: str, choices: list[str]) -> list[str]:
     return ranked[:1] if ranked and score(ranked[0])[0] >= 0.6 else []
 
 
+def all_field_paths(ann: Any = Recipe, prefix: tuple = ()) -> list[tuple]:
+    """Every field of the schema as a path tuple; list items appear as index ``"N"``."""
+    model = _model(ann)
+    out: list[tuple] = []
+    for name, info in (model.model_fields.items() if model else ()):
+        here = (*prefix, name)
+        out.append(here)
+        inner = info.annotation
+        if get_origin(_strip_optional(inner)) in (tuple, list) and _model(get_args(_strip_optional(inner))[0]):
+            out += all_field_paths(get_args(_strip_optional(inner))[0], (*here, "N"))
+        elif _model(inner):
+            out += all_field_paths(inner, here)
+    return out
+
+
+def _strip_optional(ann: Any) -> Any:
+    if get_origin(ann) in (Union, types.UnionType):
+        args = [a for a in get_args(ann) if a is not type(None)]
+        return args[0] if len(args) == 1 else ann
+    return ann
+
+
+def misplaced(loc: tuple) -> list[str]:
+    """Where else in the schema the leaf name of ``loc`` is a field (``model.n_hash_layers`` →
+    ``model.moe.n_hash_layers``); the stage index of ``loc`` fills ``N``; nearest sections first."""
+    leaf = str(loc[-1])
+    index = next((p for p in loc if isinstance(p, int)), None)
+    found = []
+    for path in all_field_paths():
+        if path[-1] == leaf and path[:-1] != tuple("N" if isinstance(p, int) else p for p in loc[:-1]):
+            shared = next((i for i, (a, b) in enumerate(zip(path, loc)) if a != b), min(len(path), len(loc)))
+            text = dotted(tuple(index if p == "N" and index is not None else p for p in path))
+            found.append((-shared, len(path), text))
+    return [text for _, _, text in sorted(found)]
+
+
 def valid_keys(loc: tuple) -> list[str]:
     """Keys the schema accepts in the mapping at ``loc`` (top level includes ``extends``)."""
     model = _model(_annotation_at(loc))
@@ -88,25 +126,62 @@ def _value(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+BOUND_WORDS = {"greater_than": "more than", "greater_than_equal": "at least", "less_than": "less than",
+               "less_than_equal": "at most"}
+
+
+def _unknown_key(loc: tuple, src: str) -> tuple[str, str]:
+    """Message and hint of an unknown key: a peer launcher's name, the same leaf elsewhere, or a near spelling."""
+    path, parent = dotted(loc), dotted(loc[:-1])
+    keys = valid_keys(loc[:-1])
+    valid = f"valid keys under {parent or 'the top level'}: {', '.join(keys)}"
+    peer = peer_name(str(loc[-1]))
+    if peer is not None:
+        whose, ours = peer
+        index = next((p for p in loc if isinstance(p, int)), None)
+        ours = ours.replace(".N.", f".{index}.") if index is not None else ours
+        return f"{src}: unknown key '{path}': {loc[-1]} is {whose} name; here it is {ours}", f"rename it to {ours}"
+    elsewhere = misplaced(loc)
+    if elsewhere:
+        return f"{src}: unknown key '{path}' (did you mean '{elsewhere[0]}'? the key lives there)", \
+            f"move it to {elsewhere[0]}" + (f" (also a key: {', '.join(elsewhere[1:3])})" if elsewhere[1:] else "")
+    guess = did_you_mean(str(loc[-1]), keys)
+    mean = f" (did you mean '{parent + '.' if parent else ''}{guess[0]}'?)" if guess else ""
+    return f"{src}: unknown key '{path}'{mean}", valid
+
+
+def _fix(err: dict, path: str) -> str | None:
+    """The concrete fix of a bound, length or choice error."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind in BOUND_WORDS:
+        bound = next(iter(ctx.values()), None)
+        return f"fix: set {path} to a value {BOUND_WORDS[kind]} {bound}"
+    if kind in ("too_long", "string_too_long"):
+        return f"fix: shorten {path} to at most {ctx.get('max_length')} {'characters' if 'string' in kind else 'items'}"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        guess = did_you_mean(str(err.get("input")), choices) if isinstance(err.get("input"), str) else []
+        return f"fix: {'did you mean ' + repr(guess[0]) + '? ' if guess else ''}valid: {', '.join(choices)}"
+    return None
+
+
 def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, str | None]:
     loc = tuple(err["loc"])
     path = dotted(loc)
     src = where(path) if path else fallback
     src = fallback if src == "default" else src
-    kind, msg = err["type"], err["msg"]
+    kind, msg = err["type"], err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
     if kind == "extra_forbidden":
-        keys = valid_keys(loc[:-1])
-        guess = did_you_mean(str(loc[-1]), keys)
-        parent = dotted(loc[:-1])
-        mean = f" (did you mean '{parent + '.' if parent else ''}{guess[0]}'?)" if guess else ""
-        return f"{src}: unknown key '{path}'{mean}", f"valid keys under {parent or 'the top level'}: {', '.join(keys)}"
+        return _unknown_key(loc, src)
     if kind == "missing":
         return f"{src}: missing required key '{path}'", field_description(loc)
     if isinstance(err.get("input"), (dict, list)) and kind in ("value_error", "assertion_error"):
-        rule = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        return f"{src}: {path or 'recipe'}: {rule}", None
+        return f"{src}: {path or 'recipe'}: {msg}", None
     desc = field_description(loc)
-    return f"{src}: {path} = {_value(err.get('input'))}: {msg}", f"{path}: {desc}" if desc else None
+    fix = _fix(err, path)
+    about = f"{path}: {desc}" if desc else None
+    hint = f"{fix}. {about}" if fix and about else fix or about
+    return f"{src}: {path} = {_value(err.get('input'))}: {msg}", hint
 
 
 def describe_validation_error(error: ValidationError, where: Callable[[str], str], fallback: str) -> tuple[str, str | None]:

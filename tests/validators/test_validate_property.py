@@ -1,9 +1,11 @@
-"""Property: randomly mutated recipes never crash `v4launch validate` — only a report (exit 0/1) or a clear error (exit 2)."""
+"""Property: randomly mutated and adversarial recipes never crash `v4launch validate` — only a report (exit 0/1)
+or a clear error (exit 2), within the time (hypothesis deadline) and memory bounds of issue 19."""
 
 from __future__ import annotations
 
 import copy
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +122,80 @@ def _get(data: Any, path: tuple) -> Any:
     for key in path:
         data = data[key]
     return data
+
+
+# -- adversarial YAML (issue 19): aliases, anchors, tags, nesting, huge and non-finite numbers, odd unicode --------
+
+ODD_SCALARS = st.sampled_from([
+    "010", "0o17", "0x1F", "0b101", "1:20", "190:20:30.15", "8_0", "1_000.5", "yes", "No", "on", "OFF", "~", "null",
+    ".inf", "-.inf", ".nan", "inf", "nan", "1e400", "-1e400", "1e-400", "4.9e-324", "1.7976931348623157e308",
+    "9" * 39, "9" * 41, "-" + "9" * 60, "2024-01-01", "0.", ".5", "+.5e+5", "'2e-4'", '"8"', "''", "'\u0000'",
+    '"\\u0000\\uffff"', "\u202e\u200b", "!!int 8", "!!float 1", "!!bool yes", "!!null ''", "!!str 8", "!!int x",
+    "!!python/object:os.system ls", "!!python/name:os.system", "!!binary aGVsbG8=", "!!timestamp 2001-12-14",
+    "!!set {a: null}", "!!omap [a: 1]", "!foo bar", "! 8", "*nowhere", "&a 1", "Et*999999|L", "(t|)*99999999",
+])
+TEXT = st.text(st.characters(codec="utf-8"), max_size=40).map(lambda t: '"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"')
+LONG = st.integers(min_value=1, max_value=300_000).map(lambda n: "x" * n)
+NUMBERS = st.one_of(st.integers(min_value=-(10**60), max_value=10**60).map(str),
+                    st.floats(allow_nan=True, allow_infinity=True).map(repr))
+LEAF = st.one_of(ODD_SCALARS, TEXT, LONG, NUMBERS)
+
+
+def _nest(children):
+    """Flow lists and maps of generated values, some anchored; aliases to earlier anchors appear as leaves."""
+    return st.one_of(
+        st.lists(children, max_size=5).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.lists(st.tuples(st.sampled_from(["a", "b", "ep", "rope", "<<", "? x"]), children), max_size=4)
+        .map(lambda kv: "{" + ", ".join(f"{k}: {v}" for k, v in kv) + "}"),
+        st.tuples(st.sampled_from(["a", "b"]), children).map(lambda av: f"&{av[0]} {av[1]}"),
+        st.sampled_from(["*a", "*b", "&a [*a]", "&b {k: *b}"]),
+    )
+
+
+VALUE = st.recursive(LEAF, _nest, max_leaves=12)
+
+
+@st.composite
+def alias_bombs(draw) -> str:
+    """A chain of anchors, each a list of `fan` aliases of the previous: fan**depth nodes when expanded."""
+    fan, depth = draw(st.integers(2, 12)), draw(st.integers(1, 10))
+    levels = ["&l0 [x, x]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * fan)}]" for i in range(1, depth + 1)]
+    return "[" + ", ".join(levels) + "]"
+
+
+DEEP = st.integers(1, 2000).map(lambda n: "[" * n + "]" * n)
+HOSTILE = st.one_of(VALUE, alias_bombs(), DEEP)
+TARGETS = ["parallel.ep", "optimizer.lr", "optimizer.betas", "parallel.pp_layout", "model.compress_ratios",
+           "curriculum.stages.0.seq_len", "description", "run.seed", "parallel.recompute_modules",
+           "slurm.additional_parameters", "model", "curriculum.stages", "logging.tensorboard", "x.y"]
+
+
+def _guarded(workdir: Path, text: str, overrides: list[str]) -> None:
+    """`_check`, plus the memory bound of issue 19 (tracemalloc peak < 500 MB); hypothesis's deadline bounds time."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        _check(workdir, text, overrides)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 500 * 2**20, f"{peak / 2**20:.0f} MB"
+
+
+@settings(max_examples=40, deadline=timedelta(seconds=2),
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(target=st.sampled_from(TARGETS), value=HOSTILE)
+def test_adversarial_override_values(workdir: Path, target: str, value: str):
+    text = yaml.safe_dump(base(), sort_keys=False)
+    _guarded(workdir, text, [f"{target}={value}"])
+
+
+@settings(max_examples=40, deadline=timedelta(seconds=2),
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(line=st.sampled_from(["  ep: 2\n", "name: fixture\n", "  global_batch_size: 8\n", "  dim: 256\n"]), value=HOSTILE,
+       prelude=st.sampled_from(["", "%YAML 1.1\n---\n", "--- !!map\n", "anchors: &top {a: 1}\n"]))
+def test_adversarial_yaml_files(workdir: Path, line: str, value: str, prelude: str):
+    text = yaml.safe_dump(base(), sort_keys=False)
+    key = line.split(":")[0]
+    _guarded(workdir, prelude + text.replace(line, f"{key}: {value}\n", 1), [])

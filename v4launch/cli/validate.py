@@ -41,9 +41,17 @@ RecipeArg = Annotated[
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "n/a": "dim"}
 
 
+def _exists(name: str) -> bool:
+    """Path(name).exists(), False for a name the OS refuses (too long, NUL byte)."""
+    try:
+        return Path(name).exists()
+    except (OSError, ValueError):
+        return False
+
+
 def _split(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """A first positional with '=' that is not an existing file is an override, not the recipe."""
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
+    if recipe is not None and "=" in recipe and not _exists(recipe):
         return None, [recipe, *overrides]
     return recipe, overrides
 

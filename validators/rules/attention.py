@@ -77,7 +77,7 @@ def check_offload(ctx: Context):
 
 
 @rule("V4-KERNEL-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
-      fix="target an SM90+ GPU (cluster.gpu=H100/H200/B200…) or use kernel_backend=reference")
+      fix="use kernel_backend=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
 def check_kernel_sm(ctx: Context):
     """Fused kernel backends (triton, cudnn) need an SM90-or-newer GPU.
 
@@ -88,7 +88,8 @@ def check_kernel_sm(ctx: Context):
         return ctx.na(f"kernel_backend={backend}")
     if ctx.sm is None or ctx.sm < 90:
         where = "a CPU target" if ctx.sm is None else f"SM{ctx.sm}"
-        return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})")
+        return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})",
+                           f"set {ctx.backend_field}=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
     return ctx.ok(ctx.backend_field, backend, f"SM{ctx.sm}")
 
 
@@ -114,11 +115,12 @@ def check_triton_sm90_only(ctx: Context):
 
 @rule("V4-SM90-DENSE-LOSS", fields=("cluster.gpu", "attention.kernel_backend", "curriculum.stages.*.phase",
                                     "curriculum.stages.*.indexer_loss", "attention.indexer_loss_coeff"),
-      fix="use the sparse indexer loss for this stage, or kernel_backend=reference for it")
+      fix="run the stage with kernel_backend=reference (a warm-up stage always trains the dense KL target)")
 def check_sm90_dense_loss(ctx: Context):
-    """On SM90, fused CSA kernels with a dense indexer loss are rejected (sparse loss or reference kernels instead).
+    """On SM90, fused CSA kernels with a dense indexer loss are rejected (reference kernels for that stage instead).
 
-    Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1.
+    Source: Megatron transformer_config.py:1781-1791; seed 000 §8.1. The job ties the KL target to the
+    phase (V4-PHASE-INDEXER-TARGET), so the fix is the stage's kernels, never its indexer_loss.
     """
     s, sm = ctx.stage, ctx.sm
     if sm is None or sm // 10 != 9:
@@ -130,8 +132,9 @@ def check_sm90_dense_loss(ctx: Context):
     field = ctx.stage_path("indexer_loss" if s.indexer_loss else "phase")
     value = s.indexer_loss or s.phase
     if s.effective_indexer_loss == "dense":
-        fix = (f"set {ctx.stage_path('indexer_loss')}=sparse, or {ctx.stage_path('kernel_backend')}=reference "
-               f"(or attention.kernel_backend=reference)")
+        fix = f"set {ctx.stage_path('kernel_backend')}=reference"
+        if s.phase == "sparse":  # a dense override of a sparse stage: the job trains the sparse target
+            fix = f"remove {ctx.stage_path('indexer_loss')} (set it to null)"
         return ctx.finding(field, value, f"dense indexer loss with fused '{ctx.backend}' kernels on SM{sm}", fix)
     return ctx.ok(field, value)
 
@@ -147,5 +150,6 @@ def check_kernel_available(ctx: Context):
     if ctx.backend == "cudnn":
         return ctx.finding(ctx.backend_field, ctx.backend,
                            "kernel_backend 'cudnn' (FlashMLA + cuDNN DSA) is not available in the bundled model: "
-                           "the job would stop at its first forward")
+                           "the job would stop at its first forward",
+                           f"set {ctx.backend_field}=reference (or triton on SM90)")
     return ctx.ok(ctx.backend_field, ctx.backend)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ..schema.curriculum import PHASE_ORDER
+from ..schema.curriculum import DEFAULT_INDEXER_LOSS, PHASE_ORDER
 from .base import Context, rule
 
 
 @rule("V4-PHASE-INDEXER-LOSS", fields=("curriculum.stages.*.phase", "attention.indexer_loss_coeff"),
-      fix="set attention.indexer_loss_coeff > 0 (1e-2 is the released recipes' value)")
+      fix="set attention.indexer_loss_coeff=1e-2 (the released recipes' value; any value > 0 trains the indexer)")
 def check_indexer_trains(ctx: Context):
     """Warm-up and sparse stages need indexer_loss_coeff > 0, otherwise the indexer never trains.
 
@@ -22,7 +22,7 @@ def check_indexer_trains(ctx: Context):
 
 
 @rule("V4-PHASE-DENSE-NO-INDEXER", fields=("curriculum.stages.*.phase", "curriculum.stages.*.indexer_loss"),
-      fix="remove indexer_loss from the dense stage, or make it a warmup/sparse stage")
+      fix="remove the stage's indexer_loss (dense mode builds no indexer)")
 def check_dense_no_indexer(ctx: Context):
     """Dense mode builds no indexer, so a dense stage cannot choose an indexer-loss target.
 
@@ -32,8 +32,27 @@ def check_dense_no_indexer(ctx: Context):
     if s.phase != "dense":
         return ctx.na(f"phase={s.phase}")
     if s.indexer_loss is not None:
-        return ctx.finding(ctx.stage_path("indexer_loss"), s.indexer_loss, "dense stage sets an indexer-loss target, but dense mode has no indexer")
+        return ctx.finding(ctx.stage_path("indexer_loss"), s.indexer_loss, "dense stage sets an indexer-loss target, but dense mode has no indexer",
+                           f"remove {ctx.stage_path('indexer_loss')} (set it to null)")
     return ctx.ok(ctx.stage_path("phase"), s.phase)
+
+
+@rule("V4-PHASE-INDEXER-TARGET", fields=("curriculum.stages.*.phase", "curriculum.stages.*.indexer_loss"),
+      fix="remove the stage's indexer_loss: the phase sets the KL target (warmup: dense, sparse: sparse)")
+def check_indexer_target(ctx: Context):
+    """A warmup or sparse stage trains its phase's KL target (warmup: dense, sparse: sparse); the job runs no other.
+
+    Source: v4launch/training/plan.py (plan_curriculum refuses any other indexer_loss); seed 000 §2.
+    """
+    s = ctx.stage
+    if s.phase == "dense" or s.indexer_loss is None:
+        return ctx.na("dense phase" if s.phase == "dense" else "indexer_loss follows the phase")
+    tied = DEFAULT_INDEXER_LOSS[s.phase]
+    if s.indexer_loss != tied:
+        return ctx.finding(ctx.stage_path("indexer_loss"), s.indexer_loss,
+                           f"{s.phase} stage '{s.name}' asks for the {s.indexer_loss} KL target; the bundled model "
+                           f"ties it to the phase ({s.phase}: {tied})", f"remove {ctx.stage_path('indexer_loss')} (set it to null)")
+    return ctx.ok(ctx.stage_path("indexer_loss"), s.indexer_loss)
 
 
 @rule("V4-PHASE-ORDER", fields=("curriculum.stages.*.phase",),

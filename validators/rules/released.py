@@ -73,7 +73,7 @@ def check_topk_visible(ctx: Context):
 
 
 @rule("V4-VOCAB", fields=("data.tokenizer", "model.vocab_size"), scope="recipe",
-      fix="raise model.vocab_size to at least the tokenizer's vocabulary (byte: 257)")
+      fix="set model.vocab_size=257 or more (the byte tokenizer's vocabulary: 256 bytes + end-of-document)")
 def check_vocab(ctx: Context):
     """The tokenizer's vocabulary fits model.vocab_size (byte tokenizer: 256 bytes + end-of-document = 257).
 

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from .base import Section
+from .limits import MAX_SEQ_LEN
 
 KernelBackend = Literal["reference", "triton", "cudnn"]
 """reference: plain PyTorch, any device. triton: this project's fused Triton kernels (SM90+).
@@ -26,7 +27,7 @@ IndexerLoss = Literal["dense", "sparse"]
 class AttentionConfig(Section):
     """Indexer loss and attention-kernel settings (Megatron: dsa_indexer_loss_coeff, dsa_kernel_backend)."""
 
-    indexer_loss_coeff: float = Field(1e-2, ge=0, description="Weight of the indexer KL loss (dsa_indexer_loss_coeff). Must be > 0 in warmup/sparse phases or the indexer never trains.")
+    indexer_loss_coeff: float = Field(1e-2, ge=0, le=1e3, description="Weight of the indexer KL loss (dsa_indexer_loss_coeff). Must be > 0 in warmup/sparse phases or the indexer never trains.")
     kernel_backend: KernelBackend = Field("reference", description="Attention kernels: reference (any device), triton or cudnn (fused, SM90+).")
-    kl_chunk_size: int = Field(1024, ge=1, description="Queries per chunk when building the indexer KL target (bounds memory; never a dense [B,H,S,P] tensor).")
+    kl_chunk_size: int = Field(1024, ge=1, le=MAX_SEQ_LEN, description="Queries per chunk when building the indexer KL target (bounds memory; never a dense [B,H,S,P] tensor).")
     indexer_qat: bool = Field(False, description="Explicit opt-in to low-precision (FP8/FP4) indexer QK; off keeps the indexer QK in BF16 (seed 004 item 4).")

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, computed_field
 
 from .base import Section
+from .limits import MAX_DEGREE, MAX_GPUS_PER_NODE
 
 GpuModel = Literal["cpu", "A100", "L40S", "H100", "H200", "GH200", "B200", "GB200", "B300", "GB300", "RTX5090"]
 
@@ -27,9 +28,9 @@ class ClusterConfig(Section):
     """Target hardware. world size = nodes · gpus_per_node (CPU: processes per node)."""
 
     gpu: GpuModel = Field("H200", description="GPU model; decides the SM version the kernel gates check.")
-    nodes: int = Field(1, ge=1, description="Nodes.")
-    gpus_per_node: int = Field(8, ge=1, description="GPUs (or, for gpu=cpu, processes) per node.")
-    gpu_memory_gib: float | None = Field(None, gt=0, description="Memory per GPU (GiB); null = the model's catalogue value.")
+    nodes: int = Field(1, ge=1, le=MAX_DEGREE, description="Nodes.")
+    gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or, for gpu=cpu, processes) per node.")
+    gpu_memory_gib: float | None = Field(None, gt=0, le=1 << 20, description="Memory per GPU (GiB); null = the model's catalogue value.")
 
     @computed_field  # type: ignore[prop-decorator]
     @property

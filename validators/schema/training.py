@@ -2,62 +2,73 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Section
+from .limits import MAX_LIST_ITEMS, MAX_SEED, MAX_STEPS, MAX_TEXT_CHARS, MAX_TOKENS
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
+"""An Adam beta: a decay factor in [0, 1) (1 or more never forgets, or diverges)."""
 
 
 class OptimizerConfig(Section):
     """Muon for matrices, AdamW for embeddings, head, norms, biases and mHC gates (paper §training)."""
 
     name: Literal["muon_adamw", "adamw"] = Field("muon_adamw", description="muon_adamw: Muon for 2-D hidden weights + AdamW for the rest; adamw: AdamW everywhere.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW groups; Muon groups use muon_lr).")
-    muon_lr: float = Field(2e-2, gt=0, description="Peak learning rate of Muon parameter groups.")
-    min_lr: float = Field(3e-5, ge=0, description="Final learning rate of the decay.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (matrices only).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate (AdamW groups; Muon groups use muon_lr), in (0, 1]; write a number (3e-4), not text.")
+    muon_lr: float = Field(2e-2, gt=0, le=1, description="Peak learning rate of Muon parameter groups.")
+    min_lr: float = Field(3e-5, ge=0, le=1, description="Final learning rate of the decay, in [0, optimizer.lr].")
+    weight_decay: float = Field(0.1, ge=0, le=1, description="Decoupled weight decay (matrices only).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas [beta1, beta2], each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, le=1, description="AdamW epsilon.")
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon momentum.")
-    warmup_steps: int = Field(100, ge=0, description="Linear LR warm-up (optimizer steps) at the start of the run.")
+    warmup_steps: int = Field(100, ge=0, le=MAX_STEPS, description="Linear LR warm-up (optimizer steps) at the start of the run.")
     schedule: Literal["cosine", "constant", "wsd"] = Field("cosine", description="LR decay shape over the whole curriculum.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: fraction of total steps spent decaying.")
-    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Global gradient-norm clip; 0 disables.")
+
+    @model_validator(mode="after")
+    def _min_lr_below_peak(self) -> "OptimizerConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"optimizer.min_lr = {self.min_lr:g} is above optimizer.lr = {self.lr:g}: the decay would "
+                             f"raise the learning rate; set optimizer.min_lr <= {self.lr:g} (e.g. {self.lr / 10:g})")
+        return self
 
 
 class DataConfig(Section):
     """Training text → megatron-core indexed dataset (.bin/.idx) → packed THD micro-batches."""
 
     source: Literal["python_stdlib", "files"] = Field("python_stdlib", description="python_stdlib: the interpreter's own standard-library sources (on every machine); files: 'paths'.")
-    paths: tuple[str, ...] = Field((), description="Text (.txt, any plain file) or .jsonl files / directories when source=files.")
-    jsonl_key: str = Field("text", description="Field holding the document text in .jsonl inputs.")
+    paths: tuple[str, ...] = Field((), max_length=MAX_LIST_ITEMS, description="Text (.txt, any plain file) or .jsonl files / directories when source=files.")
+    jsonl_key: str = Field("text", max_length=MAX_TEXT_CHARS, description="Field holding the document text in .jsonl inputs.")
     tokenizer: Literal["byte"] = Field("byte", description="byte: UTF-8 bytes + end-of-document token (vocab 257+).")
-    prefix: str | None = Field(None, description="Path prefix of a prepared indexed dataset; null = prepare into the workspace cache.")
-    max_documents: int | None = Field(None, ge=1, description="Cap on documents taken from the source.")
+    prefix: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="Path prefix of a prepared indexed dataset; null = prepare into the workspace cache.")
+    max_documents: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Cap on documents taken from the source.")
     validation_fraction: float = Field(0.02, ge=0, lt=1, description="Share of documents held out for evaluation.")
-    seed: int = Field(1234, description="Seed of the document order.")
+    seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of the document order, in [0, 2^32 - 1] (numpy's seed range).")
 
 
 class CheckpointConfig(Section):
     """torch.distributed.checkpoint saves with a manifest; atomic (written aside, renamed into place)."""
 
-    interval_steps: int = Field(100, ge=1, description="Save every N optimizer steps (and at each stage end).")
-    keep_last: int = Field(3, ge=1, description="Complete checkpoints kept; older ones are deleted after a successful save.")
+    interval_steps: int = Field(100, ge=1, le=MAX_STEPS, description="Save every N optimizer steps (and at each stage end).")
+    keep_last: int = Field(3, ge=1, le=10_000, description="Complete checkpoints kept; older ones are deleted after a successful save.")
 
 
 class LoggingConfig(Section):
     """Metrics to JSONL (always), TensorBoard (optional) and the rich console."""
 
-    interval_steps: int = Field(1, ge=1, description="Log every N optimizer steps.")
+    interval_steps: int = Field(1, ge=1, le=MAX_STEPS, description="Log every N optimizer steps.")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
-    eval_interval_steps: int = Field(0, ge=0, description="Evaluate held-out loss every N steps; 0 = only at stage end.")
+    eval_interval_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate held-out loss every N steps; 0 = only at stage end.")
 
 
 class RunConfig(Section):
     """Run identity and reproducibility."""
 
-    output_root: str = Field("runs", description="Directory (relative to the workspace) holding run directories.")
-    seed: int = Field(0, description="Seed of parameter init and any sampling.")
+    output_root: str = Field("runs", min_length=1, max_length=MAX_TEXT_CHARS, description="Directory (relative to the workspace) holding run directories.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of parameter init and any sampling, in [0, 2^32 - 1] (numpy's seed range).")
     deterministic: bool = Field(True, description="Deterministic algorithms (bitwise-reproducible resume on CPU).")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; null = torch default.")
+    threads: int | None = Field(None, ge=1, le=4096, description="torch intra-op threads per rank; null = torch default.")
