@@ -209,14 +209,18 @@ def describe_failure(codes: list[int], exit_order: list[int], logs: Path) -> dic
 
     Returns:
         ``{"failed_rank", "failure", "log"}``: the rank, a sentence (its exit code or signal, then
-        how the other ranks ended), and the path of its output (``logs/worker<R>.out``).
+        how the other ranks ended), and its output ``logs/worker<R>.out`` (stdout and stderr: the
+        traceback), or its ``logs/rank<R>.log`` when that output is empty (a rank killed by a signal
+        wrote no error: its log says how far it got).
     """
     order = exit_order + [r for r in range(len(codes)) if r not in exit_order]
     rank = next((r for r in order if codes[r] != 0), 0)
     others = [f"rank {r} {exit_words(codes[r])}" for r in order if r != rank]
     what = (f"rank {rank} {exit_words(codes[rank])}" if codes[rank] != 0
             else "rank 0 exited without a result") + (f" first; then {', '.join(others)}" if others else "")
-    return {"failed_rank": rank, "failure": what, "log": str(logs / f"worker{rank}.out")}
+    out = logs / f"worker{rank}.out"
+    log = out if log_tail(out, 1) else logs / f"rank{rank}.log"
+    return {"failed_rank": rank, "failure": what, "log": str(log)}
 
 
 # ---------------------------------------------------------------- local
