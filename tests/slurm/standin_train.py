@@ -6,12 +6,13 @@ latest checkpoint file, appends metrics.jsonl records shaped like the real ones,
 ``stop_event`` (finish the step, checkpoint, return "stopped") and ``stop_after_stage``.
 A recipe with ``run.seed: 666`` raises at step 2 (the crash test). Each step prints a line to stdout
 and one to stderr (the log-order test). With ``STANDIN_LATE_USR2=1`` in its environment, a job that
-completed its stage keeps sending itself the checkpoint signal (USR2) every 0.1 s until it exits: a
-time-limit notice landing after the stage finished.
+completed its stage keeps sending itself the checkpoint signal (USR2) every 2 ms until it exits: a
+time-limit notice landing after the stage finished, while the process lingers 1.5 s at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -82,12 +83,13 @@ def train(run_dir, *, stop_after_stage=False, max_steps=None, stop_event=None, p
         if state["stage_index"] < len(stages) and stop_after_stage:
             if os.environ.get("STANDIN_LATE_USR2") == "1":
                 threading.Thread(target=_late_notices, daemon=True).start()
+                atexit.register(time.sleep, 1.5)  # the process lingers after its result, as torch's teardown does
             return TrainResult("stage_completed", done_index, state["step"], last)
     return TrainResult("completed", len(stages) - 1, state["step"], last)
 
 
 def _late_notices() -> None:
-    """USR2 to this process every 0.1 s (until it exits): Slurm's time-limit notice, after the stage ended."""
+    """USR2 to this process every 2 ms (until it exits): Slurm's time-limit notice, after the stage ended."""
     while True:
         os.kill(os.getpid(), signal.SIGUSR2)
-        time.sleep(0.1)
+        time.sleep(0.002)
