@@ -9,9 +9,12 @@ into the pickle (fairchem #1055). The protocol on every rank (not only rank 0: s
    preemption notice) and SIGTERM (preemption / requeue / cancel on clusters without it);
 2. a handler only sets the job's ``stop_event``: ``train`` finishes the step, saves a
    checkpoint and returns ``"stopped"``;
-3. rank 0 then decides (``states.after_stop``): requeue (``scontrol requeue``; the same pickle
-   runs again), leave it to Slurm (already requeueing), or stop the run (cancel, restart
-   budget used up); ``"stage_completed"`` submits the next stage as a new job.
+3. once ``train`` returned, USR2 and SIGTERM are ignored until the process exits (a notice that
+   lands after the stage finished is moot; submitit's own handler would requeue a finished job);
+4. rank 0 then decides (``states.after_stop``, with the time the signal was caught and Slurm's
+   EndTime / PreemptTime): requeue (``scontrol requeue``; the same pickle runs again), leave it
+   to Slurm (already requeueing), or stop the run (cancel, restart budget used up);
+   ``"stage_completed"`` submits the next stage as a new job.
 
 Everything rank 0 sees is appended to ``<run_dir>/ledger.jsonl``.
 """
