@@ -56,12 +56,24 @@ class CheckpointError(Exception):
         self.hint = hint
 
 
-def recipe_hash(recipe: Recipe) -> str:
-    """sha256 (hex) of the resolved recipe's canonical JSON (sorted keys, no spaces, computed fields left out).
+def recipe_fields(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as plain JSON values: what the user set (computed fields left out).
 
-    Equals the hash of ``LoadedRecipe.resolved`` dumped the same way.
+    This is what :func:`recipe_hash` hashes and what a manifest keeps in ``Manifest.recipe``, so
+    the resume report can name every field that changed since a checkpoint.
     """
-    payload = json.dumps(recipe.model_dump(mode="json", exclude_computed_fields=True), sort_keys=True, separators=(",", ":"))
+    return recipe.model_dump(mode="json", exclude_computed_fields=True)
+
+
+def recipe_hash(recipe: Recipe | Mapping[str, Any]) -> str:
+    """sha256 (hex) of the recipe's canonical JSON (:func:`recipe_fields`, sorted keys, no spaces).
+
+    The one recipe identity of a run: run.json's ``recipe_hash``, every manifest's ``recipe_hash``,
+    the ``recipe.<hash[:12]>.yaml`` files a re-freeze keeps, and the resume report all use it.
+    ``recipe`` may also be the :func:`recipe_fields` dict itself (a manifest's ``recipe``).
+    """
+    fields = recipe if isinstance(recipe, Mapping) else recipe_fields(recipe)
+    payload = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -151,6 +163,8 @@ class Manifest:
         wall_time: seconds since the Unix epoch when the manifest was written.
         complete: True once every rank's shards and the DCP ``.metadata`` are on disk.
         extra: free-form JSON values the training job wants to keep (never checked).
+        recipe: the recipe trained when it saved (:func:`recipe_fields`); empty in manifests written
+            before it was recorded (the resume report then looks the recipe up by its hash).
     """
 
     recipe_name: str
@@ -174,6 +188,7 @@ class Manifest:
     complete: bool = False
     format_version: int = FORMAT_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
+    recipe: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def has_indexer(self) -> bool:
@@ -201,7 +216,7 @@ class Manifest:
 
         Raises:
             IndexError: ``stage_index`` is not a stage of the recipe.
-            ValueError: ``parallel_sizes`` lacks one of ``PARALLEL_KEYS``.
+            ValueError: ``parallel_sizes`` lacks one of ``PARALLEL_KEYS`` (extra keys, e.g. ``vpp``, are kept).
         """
         stage = recipe.curriculum.stages[stage_index]
         missing = [k for k in PARALLEL_KEYS if k not in parallel_sizes]
@@ -225,10 +240,12 @@ class Manifest:
             layer_ids=global_layer_ids(m.n_layers, m.mtp.depth),
             indexer_layers=tuple(sorted(int(i) for i in indexer_layers)),
             param_groups={k: dict(v) for k, v in param_groups.items()},
-            parallel={k: int(parallel_sizes[k]) for k in PARALLEL_KEYS},
+            parallel={**{k: int(parallel_sizes[k]) for k in PARALLEL_KEYS},
+                      **{k: int(v) for k, v in parallel_sizes.items() if k not in PARALLEL_KEYS}},
             tokenizer=tokenizer_fingerprint,
             model=m.model_dump(mode="json"),
             extra=dict(extra or {}),
+            recipe=recipe_fields(recipe),
         )
 
     def replace(self, **changes: Any) -> "Manifest":

@@ -2,7 +2,9 @@
 
 Every aspect gets an explicit verdict (never a silent patch, never a silent fresh
 start): ``safe``, ``reshard`` (DCP redistributes the tensors: DP/CP/world/PP/TP/EP
-changed), or ``refused`` with the ``--allow-*`` flag that would permit it. A
+changed), ``applied`` (a changed setting takes effect from the resume step; the reason
+says what that means, e.g. that the data order changes), or ``refused`` with the
+``--allow-*`` flag that would permit it. A
 refused item whose flag the user passed becomes ``safe`` with ``overridden``
 set. Architecture changes that alter parameter shapes have no flag: the weights
 would not load.
@@ -21,9 +23,10 @@ from typing import Any, Literal
 
 from v4launch.validators.schema import PHASE_ORDER, Recipe
 
-from .base import PARALLEL_KEYS, Manifest, csa_layer_ids, global_layer_ids, recipe_hash
+from .base import PARALLEL_KEYS, Manifest, csa_layer_ids, global_layer_ids, recipe_fields, recipe_hash
 
-Verdict = Literal["safe", "reshard", "refused"]
+Verdict = Literal["safe", "applied", "reshard", "refused"]
+"""``applied``: a changed recipe field the resumed run uses from the resume step on (see the reason)."""
 
 ALLOW_FLAGS: tuple[str, ...] = (
     "--allow-layer-change",
@@ -61,7 +64,7 @@ class CompatItem:
 
     @property
     def label(self) -> str:
-        """``safe``, ``reshard``, ``refused`` or ``safe (overridden)``."""
+        """``safe``, ``applied``, ``reshard``, ``refused`` or ``safe (overridden)``."""
         return "safe (overridden)" if self.overridden else self.verdict
 
 
@@ -94,12 +97,14 @@ class CompatReport:
         """A ``rich.table.Table`` of the items (verdicts coloured)."""
         from rich.table import Table
 
-        colour = {"safe": "green", "reshard": "yellow", "refused": "bold red"}
+        from rich.markup import escape
+
+        colour = {"safe": "green", "applied": "cyan", "reshard": "yellow", "refused": "bold red"}
         table = Table(title=title, show_lines=False)
         for col in ("aspect", "verdict", "reason", "override"):
             table.add_column(col)
         for i in self.items:
-            table.add_row(i.aspect, f"[{colour[i.verdict]}]{i.label}[/]", i.reason, i.override or "")
+            table.add_row(escape(i.aspect), f"[{colour[i.verdict]}]{i.label}[/]", escape(i.reason), i.override or "")
         return table
 
 
@@ -123,6 +128,32 @@ def _diff(old: Mapping[str, Any], new: Mapping[str, Any], keys: set[str] | None 
     return [f"{k}: {fo.get(k)} → {fn.get(k)}" for k in names if fo.get(k) != fn.get(k) and (k in fo or k in fn)]
 
 
+_MISSING = "(absent)"
+
+
+def _leaves(value: Any, path: str, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _leaves(v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
+        for i, v in enumerate(value):  # e.g. curriculum.stages.2.steps
+            _leaves(v, f"{path}.{i}", out)
+    else:
+        out[path] = list(value) if isinstance(value, (list, tuple)) else value
+
+
+def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every leaf field that differs between two recipe dicts, as ``(dotted path, old, new)``.
+
+    Lists of sections are numbered (``curriculum.stages.2.steps``); a field present on one side only
+    shows ``"(absent)"`` on the other. Sorted by path.
+    """
+    fo, fn = {}, {}
+    _leaves(old, "", fo)
+    _leaves(new, "", fn)
+    return [(k, fo.get(k, _MISSING), fn.get(k, _MISSING)) for k in sorted(set(fo) | set(fn)) if fo.get(k, _MISSING) != fn.get(k, _MISSING)]
+
+
 def _item(aspect: str, ok: bool, safe_reason: str, bad_reason: str, flag: str | None, allow: set[str]) -> CompatItem:
     if ok:
         return CompatItem(aspect, "safe", safe_reason)
@@ -141,6 +172,7 @@ def check_resume(
     tokenizer_fingerprint: str,
     param_groups: Mapping[str, Mapping[str, Any]],
     allow: set[str] | frozenset[str] = frozenset(),
+    checkpoint_recipe: Mapping[str, Any] | None = None,
 ) -> CompatReport:
     """Decide, aspect by aspect, whether ``manifest``'s checkpoint may be resumed as described.
 
@@ -154,6 +186,9 @@ def check_resume(
         param_groups: ``base.summarize_param_groups`` of the model/optimizer as built for the resume
             (with the indexer when ``target_phase`` is not dense).
         allow: override flags, e.g. ``{"--allow-layer-change"}`` (dashes/underscores optional).
+        checkpoint_recipe: the recipe the checkpoint was saved with (``Manifest.recipe`` or the run's
+            ``recipe.<hash>.yaml``), when known: the recipe item then counts the changed fields, which
+            the caller lists one by one (``v4launch.training.resume.field_items``).
 
     Returns:
         CompatReport (items in a fixed order: recipe, architecture, model settings, layer schedule,
@@ -171,7 +206,7 @@ def check_resume(
     if unknown:
         raise ValueError(f"allow: unknown override flags {unknown}; known: {list(ALLOW_FLAGS)}")
     m = recipe.model
-    items = [_recipe_item(manifest, recipe)]
+    items = [_recipe_item(manifest, recipe, checkpoint_recipe)]
     model_now = m.model_dump(mode="json")
     dims = _diff(manifest.model, model_now, set(SHAPE_FIELDS))
     items.append(CompatItem("architecture", "refused", "parameter shapes change: " + "; ".join(dims)) if dims
@@ -187,12 +222,16 @@ def check_resume(
     return CompatReport(tuple(items))
 
 
-def _recipe_item(manifest: Manifest, recipe: Recipe) -> CompatItem:
+def _recipe_item(manifest: Manifest, recipe: Recipe, old: Mapping[str, Any] | None) -> CompatItem:
     now = recipe_hash(recipe)
     if now == manifest.recipe_hash:
         return CompatItem("recipe", "safe", f"unchanged ({recipe.name}, {now[:12]})")
-    return CompatItem("recipe", "safe", f"recipe differs ({manifest.recipe_name} {manifest.recipe_hash[:12]} → "
-                                        f"{recipe.name} {now[:12]}); the items below check what matters for loading")
+    moved = f"{manifest.recipe_hash[:12]} → {now[:12]}"
+    if old is None:
+        return CompatItem("recipe", "safe", f"differs ({moved}); the checkpoint's recipe is not on record, so its "
+                                            "fields cannot be listed: the items below check what matters for loading")
+    n = len(changed_fields(old, recipe_fields(recipe)))
+    return CompatItem("recipe", "safe", f"differs ({moved}) in {n} field(s), each listed below with its verdict")
 
 
 def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> CompatItem:
@@ -283,11 +322,12 @@ def _parallel_items(old: Mapping[str, int], new: Mapping[str, int]) -> list[Comp
     missing = [k for k in PARALLEL_KEYS if k not in new]
     if missing:
         raise ValueError(f"parallel_sizes lacks {missing}; expected keys {list(PARALLEL_KEYS)}")
+    keys = [*PARALLEL_KEYS, *sorted((set(old) | set(new)) - set(PARALLEL_KEYS))]  # e.g. vpp: compared when present
     out = []
-    for k in PARALLEL_KEYS:
-        a, b = old.get(k), new[k]
-        if a == b:
-            out.append(CompatItem(f"parallel.{k}", "safe", f"unchanged ({b})"))
+    for k in keys:
+        a, b = old.get(k), new.get(k)
+        if a == b or (k not in PARALLEL_KEYS and (a or 1) == (b or 1)):  # a size not recorded was 1
+            out.append(CompatItem(f"parallel.{k}", "safe", f"unchanged ({b if b is not None else a})"))
         else:
             out.append(CompatItem(f"parallel.{k}", "reshard", f"{a} → {b}: DCP redistributes the saved shards; "
                                   "the data loader continues from its global position"))

@@ -9,9 +9,12 @@ into the pickle (fairchem #1055). The protocol on every rank (not only rank 0: s
    preemption notice) and SIGTERM (preemption / requeue / cancel on clusters without it);
 2. a handler only sets the job's ``stop_event``: ``train`` finishes the step, saves a
    checkpoint and returns ``"stopped"``;
-3. rank 0 then decides (``states.after_stop``): requeue (``scontrol requeue``; the same pickle
-   runs again), leave it to Slurm (already requeueing), or stop the run (cancel, restart
-   budget used up); ``"stage_completed"`` submits the next stage as a new job.
+3. once ``train`` returned, USR2 and SIGTERM are ignored until the process exits (a notice that
+   lands after the stage finished is moot; submitit's own handler would requeue a finished job);
+4. rank 0 then decides (``states.after_stop``, with the time the signal was caught and Slurm's
+   EndTime / PreemptTime): requeue (``scontrol requeue``; the same pickle runs again), leave it
+   to Slurm (already requeueing), or stop the run (cancel, restart budget used up);
+   ``"stage_completed"`` submits the next stage as a new job.
 
 Everything rank 0 sees is appended to ``<run_dir>/ledger.jsonl``.
 """
@@ -24,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -83,7 +87,7 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
         if not self._record_start(run_dir, job_id, recipe, rank):
             return {"status": "not run", "detail": "this job had already ended"}
         stop, caught = threading.Event(), []
-        previous = _install_handlers(stop, caught)  # kept until the job returns: a late signal only sets stop
+        _install_handlers(stop, caught)  # a signal only sets stop while training
         try:
             try:
                 result = resolve_entry(self.entry)(run_dir, stop_after_stage=True, max_steps=self.max_steps,
@@ -94,9 +98,12 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
                     ledger.append(run_dir, job_id, "failed", detail=last[:2000])
                 raise
             if rank == 0:
-                self._after_train(run_dir, job_id, recipe, result, caught[0] if caught else "SIGTERM")
+                self._after_train(run_dir, job_id, recipe, result, caught[0] if caught else ("SIGTERM", time.time()))
         finally:
-            _restore_handlers(previous)
+            # Training is over and its outcome recorded: a stop notice that lands now (a time limit just
+            # after the stage ended) is moot. Never hand it back to submitit, whose handler would
+            # requeue and kill a finished job: ignore it until the process exits, on every rank.
+            _ignore_stop_signals()
         if result.status == "stopped":
             sys.exit(-1)  # like submitit after a requeue: no result pickle for an interrupted attempt
         return result.to_json()
@@ -114,10 +121,10 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
                 return False
         return True
 
-    def _after_train(self, run_dir: Path, job_id: str, recipe: Any, result: Any, signal_name: str) -> None:
+    def _after_train(self, run_dir: Path, job_id: str, recipe: Any, result: Any, caught: tuple[str, float]) -> None:
         # Training is over: a late notice is moot, and Slurm signals every process of the step, so the
         # sbatch / scontrol children started below must not die of it (ignored dispositions are inherited).
-        signal.signal(submitit.JobEnvironment._usr_sig(), signal.SIG_IGN)
+        _ignore_stop_signals()
         where = {"stage": result.stage_index, "step": result.step}
         ckpt = f"checkpoint {Path(result.checkpoint).name}" if result.checkpoint else "no checkpoint"
         if result.status == "completed":
@@ -131,15 +138,19 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
             else:
                 self._submit_next_stage(run_dir, job_id, recipe, result.stage_index + 1)
         elif result.status == "stopped":
-            self._after_stop(run_dir, job_id, recipe, signal_name, where, ckpt)
+            self._after_stop(run_dir, job_id, recipe, caught, where, ckpt)
 
-    def _after_stop(self, run_dir: Path, job_id: str, recipe: Any, signal_name: str, where: dict, ckpt: str) -> None:
+    def _after_stop(self, run_dir: Path, job_id: str, recipe: Any, caught: tuple[str, float], where: dict,
+                    ckpt: str) -> None:
+        signal_name, caught_at = caught
         events = ledger.read(run_dir)
         ledger.append(run_dir, job_id, "signal", detail=f"{signal_name}: stopped after the step; {ckpt}", **where)
         state = query.stop_state(job_id, query.restart_count())
+        end, preempted = query.end_and_preemption(job_id)
         decision = after_stop(signal_name, state, ledger.restarts_used(events), recipe.slurm.max_restarts,
                               cancel=ledger.cancel_requested(events, job_id),
-                              time_left_s=query.time_left_s(job_id), signal_delay_s=recipe.slurm.signal_delay_s)
+                              time_left_s=None if end is None else end - caught_at,
+                              signal_delay_s=recipe.slurm.signal_delay_s, preempted=preempted)
         if decision.action == "requeue":
             decision = requeue_outcome(decision, query.requeue(job_id))
         ledger.append(run_dir, job_id, decision.event, detail=f"{decision.detail} [Slurm state {state}]", **where)
@@ -164,12 +175,13 @@ def _frozen_recipe(run_dir: Path) -> Any:
     return load_run(run_dir).recipe
 
 
-def _install_handlers(stop: threading.Event, caught: list[str]) -> dict[int, Any]:
-    """USR2 and SIGTERM set ``stop`` (every rank); returns the previous handlers."""
+def _install_handlers(stop: threading.Event, caught: list[tuple[str, float]]) -> dict[int, Any]:
+    """USR2 and SIGTERM set ``stop`` (every rank) and record (signal name, time caught); returns the
+    previous handlers."""
     usr = submitit.JobEnvironment._usr_sig()
 
     def handler(signum: int, frame: Any) -> None:
-        caught.append("USR2" if signum == usr else signal.Signals(signum).name)
+        caught.append(("USR2" if signum == usr else signal.Signals(signum).name, time.time()))
         stop.set()
 
     previous = {}
@@ -178,6 +190,7 @@ def _install_handlers(stop: threading.Event, caught: list[str]) -> dict[int, Any
     return previous
 
 
-def _restore_handlers(previous: dict[int, Any]) -> None:
-    for sig, old in previous.items():
-        signal.signal(sig, old)
+def _ignore_stop_signals() -> None:
+    """USR2 and SIGTERM ignored from here on (a finished job's late notices; inherited by children)."""
+    for sig in (signal.SIGTERM, submitit.JobEnvironment._usr_sig()):
+        signal.signal(sig, signal.SIG_IGN)

@@ -43,7 +43,7 @@ def job_log_paths(run_dir: Path, job_id: str, task: int = 0) -> tuple[Path, Path
 
 
 def log_tail(run_dir: Path, job_id: str, lines: int = 20) -> list[str]:
-    """The last ``lines`` lines of rank 0's stderr (tracebacks land there), else its stdout."""
+    """The last ``lines`` lines of rank 0's log (a separate stderr file first, for runs of older versions)."""
     for path in reversed(job_log_paths(run_dir, job_id)):
         try:
             text = path.read_text(errors="replace").splitlines()
@@ -83,13 +83,23 @@ def job_rows(run_dir: Path, recipe: Any) -> list[JobRow]:
         step = metrics.get("step") if newest and (view in LIVE_VIEW or not stepped) else (stepped[-1] if stepped else None)
         name, phase = _stage_info(recipe, stage_key)
         last = next((e for e in reversed(mine) if e.event not in ("submit", "start")), mine[-1] if mine else None)
+        requeued = next((e for e in reversed(mine) if e.event == "requeue"), None) if view == "requeued" else None
         rows.append(JobRow(job_id=job_id, state=view, slurm_state=query_state_word(states.get(job_id)), stage=name,
                            phase=phase, step=step, loss=metrics.get("lm_loss", metrics.get("loss")) if newest else None,
                            checkpoint=ckpt.name if (newest and ckpt) else None,
                            restarts=sum(1 for e in mine if e.event == "requeue"),
-                           detail=(f"pending: {waiting[job_id]}" if job_id in waiting else
-                                   f"{last.event}: {last.detail}" if last else "")))
+                           detail=_detail(requeued, last, waiting.get(job_id))))
     return rows
+
+
+def _detail(requeued: Any, last: Any, waiting: str | None) -> str:
+    """A job's status line: why it was requeued (the ledger's reason, not the "BeginTime" Slurm gives
+    every requeued job while it waits), else why it is pending, else its last event."""
+    if requeued is not None:
+        return f"requeue: {requeued.detail}" + (f" (waiting to restart: {waiting})" if waiting else "")
+    if waiting:
+        return f"pending: {waiting}"
+    return f"{last.event}: {last.detail}" if last else ""
 
 
 def query_state_word(state: str | None) -> str:
@@ -143,7 +153,11 @@ class SlurmLauncher(Launcher):
                                   "max_restarts": recipe.slurm.max_restarts}
         if rows and state in ("failed", "node failure", "timeout", "unknown"):
             detail["log_tail"] = log_tail(run_dir, rows[-1].job_id)
-            detail["log"] = str(job_log_paths(run_dir, rows[-1].job_id)[1])
+            out, err = job_log_paths(run_dir, rows[-1].job_id)
+            detail["log"] = str(err if err.exists() else out)
+            ended = [e for e in ledger.read(run_dir) if e.event in ("failed", "budget_exhausted")]
+            if ended:
+                detail["failure"] = f"job {ended[-1].job_id} {ended[-1].event}: {ended[-1].detail}"
         stage = rows[-1].stage if rows else metrics.get("stage")
         return RunStatus(state=state, launcher=self.name, step=rows[-1].step if rows else metrics.get("step"),
                          stage=stage, checkpoint=latest_checkpoint_path(run_dir), detail=detail)
@@ -165,15 +179,18 @@ class SlurmLauncher(Launcher):
             raise RefusedError(f"scancel {' '.join(live)} failed: {error}", hint="check `squeue` and retry")
 
     def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """Rank 0's job logs (stdout, then stderr) of every job of the run in order; with
-        ``follow``, keep yielding from the live job, and from the jobs it chains, until none is live."""
+        """Rank 0's job log of every job of the run in order; with ``follow``, keep yielding from the live
+        job, and from the jobs it chains, until none is live. A job's stdout and stderr are one stream
+        (``stderr_to_stdout``), so its lines come in the order they were written; a separate stderr
+        file (runs submitted by older versions) follows its stdout."""
         shown: set[str] = set()
         while True:
             new = [j for j in ledger.job_ids(ledger.read(run_dir)) if j not in shown]
             for job_id in new:
                 shown.add(job_id)
                 yield f"==> job {job_id} <=="
-                paths = list(job_log_paths(run_dir, job_id))  # the training log, then errors
+                out, err = job_log_paths(run_dir, job_id)
+                paths = [out, err] if err.exists() else [out]
                 alive = (lambda j=job_id: bool(query.queue_states([j]))) if follow else (lambda: False)
                 yield from follow_files(paths, alive)
             if not follow or (not new and not self.live_jobs(run_dir)):

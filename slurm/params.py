@@ -159,6 +159,8 @@ def executor_parameters(recipe: Any, job_name: str) -> dict[str, Any]:
     extra = additional_parameters(dict(recipe.slurm.additional_parameters))
     if extra:
         params["additional_parameters"] = extra
+    # one log per task: stderr (tracebacks, submitit's lines) interleaved with stdout in the order written
+    params["stderr_to_stdout"] = True
     # --kill-on-bad-exit: one rank that crashes ends the step instead of leaving the others hanging
     params["srun_args"] = ["--kill-on-bad-exit=1",
                            *container_srun_args(recipe.slurm.container_image, tuple(recipe.slurm.container_mounts))]

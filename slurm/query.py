@@ -152,6 +152,23 @@ def time_left_s(job_id: str) -> int | None:
     return parse_duration(proc.stdout.strip().splitlines()[0])
 
 
+def _epoch(text: str | None) -> float | None:
+    """``2026-11-29T15:14:13`` (scontrol's local time) as seconds since the epoch; None for Unknown/None."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def end_and_preemption(job_id: str) -> tuple[float | None, bool]:
+    """Slurm's record of the job: its EndTime (epoch seconds; the time limit of this attempt) and whether
+    it was marked for preemption (PreemptTime set). ``(None, False)`` when the controller does not answer."""
+    info = controller_info(job_id)
+    return _epoch(info.get("EndTime")), _epoch(info.get("PreemptTime")) is not None
+
+
 def requeue(job_id: str) -> str | None:
     """``scontrol requeue JOB``; returns None on success, else Slurm's error text."""
     proc = _run(["scontrol", "requeue", str(job_id)])

@@ -87,9 +87,19 @@ class Decision:
     detail: str
 
 
+SIGNAL_EARLY_S = 60
+"""How early Slurm may send ``--signal=SIG@T`` (sbatch(1): "Due to the resolution of event handling
+by Slurm, the signal may be sent up to 60 seconds earlier than specified")."""
+
+
 def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_restarts: int, *,
-               cancel: bool, time_left_s: int | None, signal_delay_s: int) -> Decision:
+               cancel: bool, time_left_s: float | None, signal_delay_s: int, preempted: bool = False) -> Decision:
     """Decide what a job does after train() returned "stopped" on a signal.
+
+    The label (time limit or preemption) comes from Slurm's own record of the job, never from how
+    long the step and the save took: Slurm's state (TIMEOUT, PREEMPTED), its preemption mark
+    (``PreemptTime``, ``preempted``), else whether the signal was caught inside the window in which
+    Slurm sends the time-limit notice: ``EndTime - caught <= signal_delay_s + SIGNAL_EARLY_S``.
 
     Args:
         signal_name: ``"USR2"`` (submitit's checkpoint signal: time limit or preemption notice) or
@@ -99,16 +109,20 @@ def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_res
             CANCELLED, TIMEOUT, PREEMPTED, NODE_FAIL, COMPLETING (reason unknown) or None.
         restarts: requeues already used by the run; ``max_restarts``: slurm.max_restarts.
         cancel: ``v4launch cancel`` asked this job to stop.
-        time_left_s: seconds before the job's time limit (None if unknown).
+        time_left_s: seconds between the moment the signal was caught and the job's EndTime in
+            Slurm's record (None if unknown).
+        signal_delay_s: slurm.signal_delay_s (the ``--signal=USR2@`` the job was submitted with).
+        preempted: Slurm marked the job for preemption (``scontrol show job``'s PreemptTime is set).
     """
     state = normalise(slurm_state)
     if cancel or state == "CANCELLED":
         return Decision("exit", "exit", f"cancelled ({signal_name}); checkpoint saved")
-    near_limit = state == "TIMEOUT" or (time_left_s is not None and time_left_s <= signal_delay_s + 30)
+    in_window = time_left_s is not None and time_left_s <= signal_delay_s + SIGNAL_EARLY_S
+    near_limit = state != "PREEMPTED" and not preempted and (state == "TIMEOUT" or in_window)
     reason = "time limit" if near_limit else "preemption"
     if state in ALREADY_REQUEUED:
         return Decision("leave", "requeue", f"{reason} ({signal_name}): requeued by Slurm; checkpoint saved")
-    if state == "COMPLETING" and not (time_left_s is not None and time_left_s <= 5):
+    if state == "COMPLETING" and not preempted and not (time_left_s is not None and time_left_s <= 5):
         # Slurm is ending the job and nothing says it is a time limit or a preemption: never undo
         # what may be a plain scancel by requeueing; `v4launch resume` continues the run.
         return Decision("exit", "exit", f"ended by Slurm ({signal_name}, reason unknown); checkpoint saved, "

@@ -8,63 +8,15 @@ inside a job, or a relaunch by ``v4launch resume``) and records it in the ledger
 
 from __future__ import annotations
 
-import subprocess
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from ..errors import RefusedError
+from ..rundir import CODE_DIFF, CodeRevision, code_revision, record_code, update_run_extra  # noqa: F401 - re-exported
 from . import ledger
 from .job import DEFAULT_ENTRY, SlurmTrainJob
 from .render import make_executor, render_sbatch, submit_with_retry
-
-CODE_DIFF = "code.diff"
-
-
-@dataclass(frozen=True)
-class CodeRevision:
-    """The source revision a run was submitted from."""
-
-    repo: str | None
-    sha: str | None
-    dirty: bool
-    diff: str = ""
-    untracked: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        """What run.json["extra"]["code"] records (the diff itself goes to code.diff)."""
-        return {"repo": self.repo, "git_sha": self.sha, "dirty": self.dirty, "untracked": list(self.untracked)}
-
-
-def _git(repo: Path, *args: str) -> str | None:
-    try:
-        proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def code_revision(repo: Path | None = None) -> CodeRevision:
-    """git sha, dirtiness, diff and untracked files of the checkout holding the v4launch sources.
-
-    Args:
-        repo: the checkout (default: the one the installed v4launch package lives in).
-    """
-    if repo is None:
-        import v4launch
-
-        repo = Path(v4launch.__file__).resolve().parent.parent
-    top = _git(repo, "rev-parse", "--show-toplevel")
-    if top is None:
-        return CodeRevision(repo=None, sha=None, dirty=False)
-    root = Path(top.strip())
-    sha = (_git(root, "rev-parse", "HEAD") or "").strip() or None
-    status = _git(root, "status", "--porcelain", "--untracked-files=all") or ""
-    untracked = tuple(line[3:] for line in status.splitlines() if line.startswith("??"))
-    dirty = bool(status.strip())
-    diff = (_git(root, "diff", "HEAD", "--binary") or "") if dirty else ""
-    return CodeRevision(repo=str(root), sha=sha, dirty=dirty, diff=diff, untracked=untracked)
 
 
 def check_clean(rev: CodeRevision, allow_dirty: bool) -> None:
@@ -108,11 +60,9 @@ def prepare_run(loaded: Any, rev: CodeRevision, *, workspace: Any = None) -> Pat
     # Render once against the predicted path so a bad value fails before the run directory exists.
     render_sbatch(loaded.recipe, predicted_run_dir(loaded.recipe, workspace or _workspace()), job_name="check")
     run_dir = create_run_dir(loaded, launcher="slurm", workspace=workspace,
-                             extra={"code": rev.to_json(), "git_sha": rev.sha,
-                                    "slurm": {"nodes": loaded.recipe.cluster.nodes,
+                             extra={"slurm": {"nodes": loaded.recipe.cluster.nodes,
                                               "tasks_per_node": loaded.recipe.cluster.gpus_per_node}})
-    if rev.dirty:
-        (run_dir / CODE_DIFF).write_text(rev.diff + "".join(f"# untracked: {p}\n" for p in rev.untracked))
+    update_run_extra(run_dir, record_code(run_dir, rev))
     return run_dir
 
 

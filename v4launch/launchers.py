@@ -33,6 +33,9 @@ from .rundir import RunPaths, read_run_json, write_json_atomic
 from .training.result import TrainResult
 
 RUNNING = "running"
+_FRESH = {"cancel_requested": False, "error": None, "failure": None, "failed_rank": None, "exit_codes": None,
+          "log": None}
+"""launch.json keys a new launch resets (what an earlier attempt recorded about its end)."""
 FINAL_STATES = ("completed", "stage_completed", "stopped", "max_steps", "failed")
 
 
@@ -144,10 +147,20 @@ def latest_checkpoint_path(run_dir: Path) -> Path | None:
 
 
 def files_status(run_dir: Path, launcher: str, state: str, detail: dict[str, Any]) -> RunStatus:
-    """A RunStatus filled from the run directory's files (metrics and checkpoints)."""
+    """A RunStatus filled from the run directory's files (metrics and checkpoints).
+
+    ``step`` is the furthest step the run is known to have reached: the last logged step, or the
+    latest checkpoint's when that is later (``logging.interval_steps`` > 1 leaves steps unlogged), so
+    the step and checkpoint columns of ``status`` agree.
+    """
+    from .checkpoints.listing import checkpoint_step
+
     rec = last_metrics(run_dir) or {}
-    return RunStatus(state=state, launcher=launcher, step=rec.get("step"), stage=rec.get("stage"),
-                     checkpoint=latest_checkpoint_path(run_dir), detail=detail)
+    ckpt = latest_checkpoint_path(run_dir)
+    step = rec.get("step")
+    if ckpt is not None and (step is None or (checkpoint_step(ckpt) or 0) > step):
+        step = checkpoint_step(ckpt)
+    return RunStatus(state=state, launcher=launcher, step=step, stage=rec.get("stage"), checkpoint=ckpt, detail=detail)
 
 
 def follow_files(paths: list[Path], still_running, poll_s: float = 1.0) -> Iterator[str]:
@@ -167,6 +180,47 @@ def follow_files(paths: list[Path], still_running, poll_s: float = 1.0) -> Itera
         if not running:
             return
         time.sleep(poll_s)
+
+
+def log_tail(path: Path, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of ``path`` ([] when it cannot be read)."""
+    try:
+        return path.read_text(errors="replace").rstrip().splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+def exit_words(code: int) -> str:
+    """``exit code 1`` or ``killed by SIGKILL (signal 9)`` for a Popen return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"killed by {name} (signal {-code})"
+    return f"exit code {code}"
+
+
+def describe_failure(codes: list[int], exit_order: list[int], logs: Path) -> dict[str, Any]:
+    """Which rank made a multi-process run fail, how, and where its output is.
+
+    The cause is the first rank that ended with a non-zero code (the others typically fail after
+    it, on the lost peer); when no rank failed (rank 0 left no result) it is rank 0.
+
+    Returns:
+        ``{"failed_rank", "failure", "log"}``: the rank, a sentence (its exit code or signal, then
+        how the other ranks ended), and its output ``logs/worker<R>.out`` (stdout and stderr: the
+        traceback), or its ``logs/rank<R>.log`` when that output is empty (a rank killed by a signal
+        wrote no error: its log says how far it got).
+    """
+    order = exit_order + [r for r in range(len(codes)) if r not in exit_order]
+    rank = next((r for r in order if codes[r] != 0), 0)
+    others = [f"rank {r} {exit_words(codes[r])}" for r in order if r != rank]
+    what = (f"rank {rank} {exit_words(codes[rank])}" if codes[rank] != 0
+            else "rank 0 exited without a result") + (f" first; then {', '.join(others)}" if others else "")
+    out = logs / f"worker{rank}.out"
+    log = out if log_tail(out, 1) else logs / f"rank{rank}.log"
+    return {"failed_rank": rank, "failure": what, "log": str(log)}
 
 
 # ---------------------------------------------------------------- local
@@ -225,11 +279,15 @@ class LocalLauncher(Launcher):
     def _in_process(self, run_dir: Path, max_steps: int | None, progress: bool) -> TrainResult:
         from .training.job import train
 
-        record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[os.getpid()], world_size=1, result=None)
+        record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[os.getpid()], world_size=1, result=None,
+                      **_FRESH)
         try:
             result = train(run_dir, max_steps=max_steps, progress=progress)
         except BaseException as exc:
-            record_launch(run_dir, state="failed", error=f"{type(exc).__name__}: {exc}")
+            why = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            record_launch(run_dir, state="failed", error=f"{type(exc).__name__}: {exc}", failed_rank=0,
+                          failure=f"rank 0 raised {type(exc).__name__}: {why}",
+                          log=str(RunPaths(run_dir).logs / "rank0.log"))
             raise
         record_launch(run_dir, state=result.status, result=result.to_json())
         return result
@@ -250,10 +308,11 @@ class LocalLauncher(Launcher):
             procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                                           stdout=out, stderr=subprocess.STDOUT))
         record_launch(run_dir, launcher=self.name, state=RUNNING, pids=[p.pid for p in procs], world_size=world,
-                      result=None)
+                      result=None, **_FRESH)
         previous = _sigterm_as_interrupt()  # `kill` of this process stops the workers like Ctrl-C does
+        exit_order: list[int] = []  # ranks in the order they exited (the first failure is the cause)
         try:
-            codes = self._wait_echoing(procs, rank0_out, echo_from)
+            codes = self._wait_echoing(procs, rank0_out, echo_from, exit_order)
         except KeyboardInterrupt:
             if previous is not None:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
@@ -265,18 +324,34 @@ class LocalLauncher(Launcher):
                 signal.signal(signal.SIGTERM, previous)
         result_file = logs / "result.rank0.json"
         if any(codes) or not result_file.is_file():
-            record_launch(run_dir, state="failed", exit_codes=codes)
-            first = next((r for r, c in enumerate(codes) if c), 0)
-            tail = (logs / f"worker{first}.out").read_text(errors="replace").strip().splitlines()[-3:]
-            raise RefusedError(f"run {run_dir.name} failed: worker exit codes {codes}; rank {first}: "
-                               + " / ".join(tail), hint=f"read {logs}/worker<R>.out and {logs}/rank<R>.log")
+            failure = describe_failure(codes, exit_order, logs)
+            record_launch(run_dir, state="failed", exit_codes=codes, **failure)
+            raise RefusedError(f"run {run_dir.name} failed: {failure['failure']}; last lines of "
+                               f"{Path(failure['log']).name}: " + " / ".join(log_tail(Path(failure["log"]), 3)),
+                               hint=f"`v4launch status '{run_dir}'` shows the tail of {failure['log']}")
         result = TrainResult.from_json(json.loads(result_file.read_text()))
         record_launch(run_dir, state=result.status, result=result.to_json(), exit_codes=codes)
         return result
 
     @staticmethod
-    def _wait_echoing(procs: list[subprocess.Popen], rank0_out: Path, offset: int, poll_s: float = 0.5) -> list[int]:
-        """Wait for every worker, copying what rank 0 writes (its log lines) to this process's stdout."""
+    def _wait_echoing(procs: list[subprocess.Popen], rank0_out: Path, offset: int, exit_order: list[int],
+                      poll_s: float = 0.5, grace_s: float = 20.0) -> list[int]:
+        """Wait for every worker, copying what rank 0 writes (its log lines) to this process's stdout.
+
+        Each rank's exit is noticed by its own waiter thread, so ``exit_order`` holds the ranks in the
+        order they really ended. Once a rank fails, the others get ``grace_s`` seconds to end (they
+        usually fail on the lost peer); those still blocked in a collective are then killed.
+        """
+        import threading
+
+        def wait(rank: int, proc: subprocess.Popen) -> None:
+            proc.wait()
+            exit_order.append(rank)  # list.append is atomic: the order is the order of the exits
+
+        waiters = [threading.Thread(target=wait, args=(r, p), daemon=True) for r, p in enumerate(procs)]
+        for w in waiters:
+            w.start()
+
         def echo() -> None:
             nonlocal offset
             try:
@@ -290,22 +365,46 @@ class LocalLauncher(Launcher):
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
+        failed_at = None
         while any(p.poll() is None for p in procs):
             echo()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
             time.sleep(poll_s)
         echo()
+        for w in waiters:
+            w.join()
         return [p.wait() for p in procs]
 
     def status(self, run_dir: Path) -> RunStatus:
-        """State from launch.json; a 'running' run whose processes are gone reads 'died'."""
+        """State from launch.json. A 'running' run whose processes are gone reads 'died'; a run stopped by
+        a signal (``v4launch cancel``, Ctrl-C, kill) reads 'cancelled', the word Slurm runs use; a failed
+        or dead run carries the failing rank, its exit code or signal and the tail of its log."""
         launch = read_launch(run_dir)
         state = launch.get("state", "not launched")
+        detail: dict[str, Any] = {"pids": launch.get("pids", [])}
         if state == RUNNING and not any(_alive(p) for p in launch.get("pids", [])):
             state = "died"
-        return files_status(run_dir, self.name, state, {"pids": launch.get("pids", [])})
+            detail["failure"] = ("the run's processes are gone without recording how they ended (the launching "
+                                 "`v4launch` was killed, or the machine restarted)")
+            detail["log"] = str(RunPaths(Path(run_dir)).logs / "rank0.log")
+        if state == "stopped":
+            state = "cancelled"
+            detail["cancelled_by"] = "v4launch cancel" if launch.get("cancel_requested") else "a signal (Ctrl-C or kill)"
+        if state == "failed":
+            detail.update({k: launch[k] for k in ("failed_rank", "failure", "exit_codes", "log") if launch.get(k) is not None})
+            detail.setdefault("failure", launch.get("error") or "failed (no detail recorded)")
+        if state in ("failed", "died") and detail.get("log"):
+            detail["log_tail"] = log_tail(Path(detail["log"]))
+        return files_status(run_dir, self.name, state, detail)
 
     def cancel(self, run_dir: Path) -> None:
-        """SIGTERM each live process of the run; the job saves a checkpoint and returns 'stopped'.
+        """SIGTERM each live process of the run; the job saves a checkpoint and returns 'stopped'
+        (``status`` then says 'cancelled').
 
         Raises:
             RefusedError: the run is not running.
@@ -315,6 +414,7 @@ class LocalLauncher(Launcher):
         if not pids:
             raise RefusedError(f"run {Path(run_dir).name} is not running (state: {launch.get('state', 'not launched')})",
                                hint=f"resume it with `v4launch resume {run_dir}`")
+        record_launch(run_dir, cancel_requested=True)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
 

@@ -19,7 +19,6 @@ resumed on another launcher, or inspected without the original recipe file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -80,26 +79,72 @@ class RunPaths:
 
 
 def recipe_hash(recipe: Any) -> str:
-    """sha256 (hex) of the resolved recipe's canonical JSON (sorted keys, no spaces).
+    """The run's recipe identity: ``v4launch.checkpoints.base.recipe_hash`` (sha256 of the recipe's
+    canonical JSON, computed fields left out), the same hash the checkpoint manifests carry."""
+    from .checkpoints.base import recipe_hash as canonical  # torch-free: listing a run never loads torch
 
-    The same identity checkpoint manifests carry (``v4launch.checkpoints.base.recipe_hash``), computed
-    here without importing torch.
+    return canonical(recipe)
+
+
+@dataclass(frozen=True)
+class CodeRevision:
+    """The source revision a run was started from (local or Slurm alike).
+
+    Attributes:
+        repo: the git checkout holding the v4launch sources (None outside git).
+        sha: its HEAD commit.
+        dirty: True when tracked files differ from HEAD or untracked files exist.
+        diff: ``git diff HEAD --binary`` when dirty (saved as ``code.diff`` in the run).
+        untracked: untracked files (relative to ``repo``).
     """
-    payload = json.dumps(recipe.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(payload.encode()).hexdigest()
+
+    repo: str | None
+    sha: str | None
+    dirty: bool
+    diff: str = ""
+    untracked: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """What run.json["extra"]["code"] records (the diff itself goes to code.diff)."""
+        return {"repo": self.repo, "git_sha": self.sha, "dirty": self.dirty, "untracked": list(self.untracked)}
 
 
-def git_sha(cwd: Path | None = None) -> str | None:
-    """The checkout's HEAD commit (with ``-dirty`` when the tree has changes), or None outside git."""
+def _git(repo: Path, *args: str) -> str | None:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=5)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def code_revision(repo: Path | None = None) -> CodeRevision:
+    """git sha, dirtiness, diff and untracked files of the checkout holding the v4launch sources.
+
+    Args:
+        repo: the checkout (default: the one this package lives in, wherever the command runs from).
+    """
+    if repo is None:
+        repo = Path(__file__).resolve().parent.parent
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is None:
+        return CodeRevision(repo=None, sha=None, dirty=False)
+    root = Path(top.strip())
+    sha = (_git(root, "rev-parse", "HEAD") or "").strip() or None
+    status = _git(root, "status", "--porcelain", "--untracked-files=all") or ""
+    untracked = tuple(line[3:] for line in status.splitlines() if line.startswith("??"))
+    dirty = bool(status.strip())
+    diff = (_git(root, "diff", "HEAD", "--binary") or "") if dirty else ""
+    return CodeRevision(repo=str(root), sha=sha, dirty=dirty, diff=diff, untracked=untracked)
+
+
+CODE_DIFF = "code.diff"
+
+
+def record_code(run_dir: Path, rev: CodeRevision) -> dict[str, Any]:
+    """Write ``code.diff`` for a dirty tree; return the run.json extra entries (``code``, ``git_sha``)."""
+    if rev.dirty:
+        (Path(run_dir) / CODE_DIFF).write_text(rev.diff + "".join(f"# untracked: {p}\n" for p in rev.untracked))
+    return {"code": rev.to_json(), "git_sha": rev.sha}
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -157,23 +202,61 @@ def create_run_dir(loaded: Any, launcher: LauncherName, extra: dict[str, Any] | 
     return run_dir
 
 
-def refreeze_recipe(run_dir: Path, loaded: Any) -> str:
-    """Replace the run's frozen recipe with ``loaded`` (``resume --recipe``); returns the new hash.
+def refreeze_recipe(run_dir: Path, loaded: Any, extra: dict[str, Any] | None = None) -> str:
+    """Replace the run's frozen recipe with ``loaded`` (an accepted ``resume`` with a new recipe or
+    overrides); returns the new hash.
 
-    The previous recipe is kept as ``recipe.<old-hash>.yaml`` and the change is appended to
-    run.json["recipe_history"], so what each segment of the run trained with stays on disk.
+    The previous recipe is kept as ``recipe.<old-hash[:12]>.yaml`` (the hash its checkpoints' manifests
+    carry) and the change is appended to run.json["recipe_history"], so what each segment of the run
+    trained with stays on disk. ``extra`` entries replace run.json["extra"]'s (None values remove one),
+    e.g. the data prefix of a resume that changed the ``data:`` section.
     """
     paths = RunPaths(Path(run_dir))
     meta = read_run_json(run_dir)
     old_text = paths.recipe.read_text()
-    (paths.root / f"recipe.{str(meta.get('recipe_hash', 'previous'))[:12]}.yaml").write_text(old_text)
+    old_hash = recipe_hash(load_run(run_dir).recipe)
+    (paths.root / f"recipe.{old_hash[:12]}.yaml").write_text(old_text)
     new_hash = recipe_hash(loaded.recipe)
     paths.recipe.write_text(loaded.to_yaml())
     meta.setdefault("recipe_history", []).append(
-        {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from": meta.get("recipe_hash"), "to": new_hash})
+        {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "from": old_hash, "to": new_hash})
     meta["recipe_hash"] = new_hash
+    _merge_extra(meta, extra or {})
     write_json_atomic(paths.run_json, meta)
     return new_hash
+
+
+def _merge_extra(meta: dict[str, Any], values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        if value is None:
+            meta.setdefault("extra", {}).pop(key, None)
+        else:
+            meta.setdefault("extra", {})[key] = value
+
+
+def update_run_extra(run_dir: Path, values: dict[str, Any]) -> None:
+    """Merge ``values`` into run.json["extra"] (atomically); a None value removes its key."""
+    meta = read_run_json(run_dir)
+    _merge_extra(meta, values)
+    write_json_atomic(RunPaths(Path(run_dir)).run_json, meta)
+
+
+def recipe_on_record(run_dir: Path, digest: str) -> dict[str, Any] | None:
+    """The recipe (``recipe_fields`` dict) of ``run_dir`` whose hash is ``digest``: the frozen
+    recipe.yaml or a ``recipe.*.yaml`` kept by a re-freeze (any file name: runs of older versions
+    named them by another hash); None when no file of the run has that hash."""
+    from .checkpoints.base import recipe_fields
+    from .training.recipe_io import load_recipe
+
+    root = Path(run_dir)
+    for path in [root / RECIPE_YAML, *sorted(root.glob("recipe.*.yaml"))]:
+        try:
+            fields = recipe_fields(load_recipe(path, []).recipe)
+        except Exception:  # noqa: BLE001 - an unreadable old copy is simply not the one
+            continue
+        if recipe_hash(fields) == digest:
+            return fields
+    return None
 
 
 def read_run_json(run_dir: Path) -> dict[str, Any]:

@@ -4,13 +4,20 @@ Used by the Slurm protocol tests (time limit, restart budget, cancel) where the 
 step time would only make the tests slower. It reads the frozen recipe, resumes from its own
 latest checkpoint file, appends metrics.jsonl records shaped like the real ones, honours
 ``stop_event`` (finish the step, checkpoint, return "stopped") and ``stop_after_stage``.
-A recipe with ``run.seed: 666`` raises at step 2 (the crash test).
+A recipe with ``run.seed: 666`` raises at step 2 (the crash test). Each step prints a line to stdout
+and one to stderr (the log-order test). With ``STANDIN_LATE_USR2=1`` in its environment, a job that
+completed its stage keeps sending itself the checkpoint signal (USR2) every 2 ms until it exits: a
+time-limit notice landing after the stage finished, while the process lingers 1.5 s at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +62,8 @@ def train(run_dir, *, stop_after_stage=False, max_steps=None, stop_event=None, p
             state["step_in_stage"] += 1
             if recipe.run.seed == 666 and state["step"] == 2:
                 raise RuntimeError("stand-in crash at step 2 (run.seed=666)")
+            print(f"standin step {state['step']} stdout", flush=True)
+            print(f"standin step {state['step']} stderr", file=sys.stderr, flush=True)
             metrics.write(json.dumps({"kind": "train", "stage": stage.name, "stage_index": state["stage_index"],
                                       "phase": stage.phase, "step": state["step"], "lm_loss": 5.0 / state["step"],
                                       "job": os.environ.get("SLURM_JOB_ID"),
@@ -72,5 +81,15 @@ def train(run_dir, *, stop_after_stage=False, max_steps=None, stop_event=None, p
         state["step_in_stage"] = 0
         last = _save(ckpt_dir, state)
         if state["stage_index"] < len(stages) and stop_after_stage:
+            if os.environ.get("STANDIN_LATE_USR2") == "1":
+                threading.Thread(target=_late_notices, daemon=True).start()
+                atexit.register(time.sleep, 1.5)  # the process lingers after its result, as torch's teardown does
             return TrainResult("stage_completed", done_index, state["step"], last)
     return TrainResult("completed", len(stages) - 1, state["step"], last)
+
+
+def _late_notices() -> None:
+    """USR2 to this process every 2 ms (until it exits): Slurm's time-limit notice, after the stage ended."""
+    while True:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.002)

@@ -73,7 +73,8 @@ def test_hostile_run_dir_path_is_quoted(tmp_path):
     flags = sbatch_flags(script)
     assert flags["--output"] == f"{run_dir}/slurm/%j_0_log.out"
     argv = srun_line(script)
-    assert argv[-1] == f"{run_dir}/slurm" and argv[argv.index("--error") + 1] == f"{run_dir}/slurm/%j_%t_log.err"
+    assert argv[-1] == f"{run_dir}/slurm" and argv[argv.index("--output") + 1] == f"{run_dir}/slurm/%j_%t_log.out"
+    assert "--error" not in argv and "--error" not in flags  # stderr joins stdout: one log in time order
 
 
 @pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\x00b", "tab\there", "x\x1by"])

@@ -233,3 +233,33 @@ def test_pending_reasons_from_squeue(tmp_path, monkeypatch):
     args = (tmp_path / "args").read_text().split()
     assert args[args.index("-t") + 1] == "PENDING" and args[args.index("-j") + 1] == "101,102,103,104"
     assert query.pending_reasons([]) == {}
+
+
+# ------------------------------------------------------------------ issue 21: labels and status lines
+def test_time_limit_label_comes_from_slurms_record_at_the_catch():
+    # Slurm may send USR2@120 up to 60 s early: caught 170 s before EndTime is the time-limit notice,
+    # however long the step and the save took afterwards
+    assert "time limit (USR2)" in stop(left=170).detail
+    assert "preemption (USR2)" in stop(left=190).detail
+    # a job Slurm marked for preemption is a preemption even close to its time limit
+    d = after_stop("USR2", "RUNNING", 0, 5, cancel=False, time_left_s=100, signal_delay_s=120, preempted=True)
+    assert "preemption (USR2)" in d.detail and d.action == "requeue"
+    assert "preemption" in stop("SIGTERM", state="PREEMPTED", left=0).detail
+
+
+def test_a_requeued_job_shows_its_requeue_reason_not_slurms_begin_time(tmp_path, monkeypatch):
+    from v4launch.slurm import launcher, query
+    from v4launch.training.recipe_io import load_recipe
+
+    recipe = load_recipe(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "tiny_cpu.yaml")).recipe
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for event, detail in [("submit", ""), ("start", "host vm"), ("signal", "USR2: stopped after the step"),
+                          ("requeue", "preemption (USR2): checkpoint saved, requeued (restart 1 of 5) [Slurm state RUNNING]")]:
+        ledger.append(run, "7", event, detail=detail)
+    monkeypatch.setattr(query, "current_states", lambda ids: {"7": "PENDING"})
+    monkeypatch.setattr(query, "pending_reasons", lambda ids: {"7": "BeginTime: its begin time has not come yet"})
+    (row,) = launcher.job_rows(run, recipe)
+    assert row.state == "requeued"
+    assert row.detail.startswith("requeue: preemption (USR2): checkpoint saved, requeued (restart 1 of 5)")
+    assert "waiting to restart: BeginTime" in row.detail

@@ -8,13 +8,15 @@ from typing import Annotated, Literal
 import typer
 
 from .common import OUT, JsonOpt, OverridesArg
+from .run import MaxStepsOpt, NoProgressOpt
 from .status import resolve_run
 
 HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint (or --checkpoint). The checkpoint's "
-        "manifest is compared with the recipe (the run's frozen one, or --recipe / overrides, then re-frozen "
-        "into the run) and the requested stage or phase; every aspect is safe, reshard or refused with the "
-        "--allow-* flag that overrides it. Refused: exit 1. Otherwise writes resume.json and relaunches on "
-        "the run's launcher (local in the foreground, or Slurm).")
+        "manifest is compared with the recipe (the run's frozen one, or --recipe / overrides) and the requested stage "
+        "or phase; every aspect, and every recipe field that differs from the checkpoint's recipe, is safe, applied "
+        "(from the resume step, with what that means), reshard or refused with the --allow-* flag that overrides it. "
+        "Refused: exit 1, nothing written. Otherwise re-freezes the new recipe into the run, writes resume.json and "
+        "relaunches on the run's launcher (local in the foreground, or Slurm).")
 EXAMPLES = """Examples:
 
   v4launch resume                                   # newest run, continue where it stopped
@@ -26,6 +28,10 @@ EXAMPLES = """Examples:
   v4launch resume RUN --stage 0 --allow-phase-regression
 
   v4launch resume RUN --checkpoint 120 --dry-run     # roll back to step 120 (newer ones set aside)
+
+  v4launch resume RUN data.seed=7 --dry-run          # the report says the data order changes from the checkpoint
+
+  v4launch resume RUN --max-steps 200 --no-progress
 """
 
 RunArg = Annotated[str | None, typer.Argument(help="Run directory (or its name under the workspace's runs/); default: the "
@@ -59,13 +65,12 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
            recipe: RecipeOpt = None, allow_layer_change: AllowLayer = False, allow_phase_regression: AllowPhase = False,
            allow_optimizer_regroup: AllowRegroup = False, allow_tokenizer_change: AllowTokenizer = False,
            allow_cold_indexer: AllowCold = False, checkpoint: CheckpointOpt = None, dry_run: DryRunOpt = False,
-           json_out: JsonOpt = False) -> None:
+           max_steps: MaxStepsOpt = None, no_progress: NoProgressOpt = False, json_out: JsonOpt = False) -> None:
     """Check, then relaunch (or only report with --dry-run)."""
     from ..launchers import launcher_for
-    from ..rundir import load_run, refreeze_recipe, write_resume_request
+    from ..rundir import load_run
     from ..training.recipe_io import check_recipe, load_recipe
     from ..training.resume import plan_resume, refusal
-    from ..workspace import Workspace
 
     extra = list(overrides or [])
     if run is not None and "=" in run and not Path(run).exists():
@@ -81,7 +86,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
              "--allow-optimizer-regroup": allow_optimizer_regroup, "--allow-tokenizer-change": allow_tokenizer_change,
              "--allow-cold-indexer": allow_cold_indexer}
     plan = plan_resume(info.paths.root, loaded, stage=stage, phase=phase, allow=tuple(f for f, on in flags.items() if on),
-                       checkpoint=checkpoint)
+                       checkpoint=checkpoint, launcher=info.launcher)
     _show(plan, json_out)
     if not plan.report.ok:
         raise refusal(plan)
@@ -97,24 +102,46 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
         return
     launcher = launcher_for(info.paths.root)
     launcher.ensure_idle(info.paths.root)  # a refused resume writes nothing
-    if plan.newer:
-        from ..training.resume import set_aside
-
-        for dest in set_aside(plan.newer):
-            OUT.note(f"set aside {dest.name} (after the checkpoint resumed from)")
-    if changed:
-        refreeze_recipe(info.paths.root, loaded)
-    write_resume_request(info.paths.root, plan.request())
-    Workspace.current().remember(run=str(info.paths.root))
-    launched = launcher.launch(info.paths.root)
+    _accept(info, plan, loaded, changed)
+    launched = launcher.launch(info.paths.root, max_steps=max_steps, progress=not no_progress)
     if launched.result is not None:
         from .run import exit_if_stopped, print_summary
 
-        entropy = (info.meta.get("extra") or {}).get("unigram_entropy_nats")
+        entropy = (load_run(info.paths.root).meta.get("extra") or {}).get("unigram_entropy_nats")
         print_summary(info.paths.root, launched.result, entropy)
         exit_if_stopped(info.paths.root, launched.result)
     elif launched.job_id:
         OUT.console.print(f"resumed as {launched.launcher} job [bold]{launched.job_id}[/bold]")
+
+
+def _accept(info, plan, loaded, changed: bool) -> None:
+    """Write the accepted resume into the run: a changed dataset prepared first (a local run pins it
+    in run.json, as `run` does; a Slurm job prepares it itself), then the set-aside checkpoints,
+    the re-frozen recipe and resume.json."""
+    from ..rundir import refreeze_recipe, update_run_extra, write_resume_request
+    from ..training.resume import set_aside
+    from ..workspace import Workspace
+
+    pins: dict = {}
+    if plan.data_changed and info.launcher == "local":
+        from ..data import get_tokenizer, prepare_dataset
+
+        r = loaded.recipe
+        ds = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=Workspace.current(start=info.paths.root))
+        OUT.console.print(f"data: {ds.num_documents} documents, {ds.num_tokens:,} tokens "
+                          f"({'reused' if ds.reused else 'prepared'}) for the new data: section", markup=False)
+        pins = {"data_prefix": str(ds.prefix), "unigram_entropy_nats": ds.entropy_nats,
+                "unigram_entropy_bits": ds.entropy_bits}
+    elif plan.data_changed:
+        pins = {"data_prefix": None}  # the job prepares the new data: section
+    for dest in set_aside(plan.newer) if plan.newer else ():
+        OUT.note(f"set aside {dest.name} (after the checkpoint resumed from)")
+    if changed:
+        refreeze_recipe(info.paths.root, loaded, pins)
+    elif pins:
+        update_run_extra(info.paths.root, pins)
+    write_resume_request(info.paths.root, plan.request())
+    Workspace.current().remember(run=str(info.paths.root))
 
 
 def _show(plan, json_out: bool) -> None:

@@ -44,7 +44,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     """Validate, prepare data, create the run directory, train locally, print a summary."""
     from ..data import get_tokenizer, prepare_dataset
     from ..launchers import LocalLauncher
-    from ..rundir import create_run_dir, git_sha
+    from ..rundir import code_revision, create_run_dir, record_code, update_run_extra
     from ..training.plan import plan_curriculum
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
@@ -64,10 +64,14 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "
                       f"{dataset.entropy_bits:.3f} bits/token = {dataset.entropy_nats:.3f} nats/token")
-    run_dir = create_run_dir(loaded, "local", {"git_sha": git_sha(), "data_prefix": str(dataset.prefix),
+    run_dir = create_run_dir(loaded, "local", {"data_prefix": str(dataset.prefix),
                                                "unigram_entropy_nats": dataset.entropy_nats,
                                                "unigram_entropy_bits": dataset.entropy_bits,
                                                "overrides": extra}, workspace=ws)
+    rev = code_revision()  # the checkout v4launch runs from (as `submit` records it), wherever the workspace is
+    update_run_extra(run_dir, record_code(run_dir, rev))
+    if rev.dirty:
+        OUT.note(f"the source tree is dirty: its diff is saved in {run_dir / 'code.diff'}")
     ws.remember(run=str(run_dir))
     OUT.console.print(f"run directory: [bold]{run_dir}[/bold]")
     info = LocalLauncher().launch(run_dir, max_steps=max_steps, progress=not no_progress)

@@ -109,6 +109,11 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         if set_aside:
             OUT.console.print(f"rolled back: {', '.join(set_aside)} set aside by `resume --checkpoint` (kept, never "
                               "taken as the latest; rename one back to step_* to use it)", markup=False, highlight=False)
+        if st.detail.get("failure"):
+            OUT.console.print(f"why: {st.detail['failure']}", style="red", markup=False, highlight=False)
+        if st.detail.get("cancelled_by"):
+            OUT.console.print(f"cancelled by {st.detail['cancelled_by']}; continue with `v4launch resume "
+                              f"{run_dir}`", markup=False, highlight=False)
         if st.detail.get("log_tail"):
             OUT.console.print(f"last lines of {st.detail.get('log')}:", style="red")
             OUT.console.print("\n".join(st.detail["log_tail"]), markup=False, highlight=False)

@@ -76,6 +76,17 @@ def _positive(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
+def _dataset_key(prefix: Path) -> str | None:
+    """Cache key of the prepared dataset ``prefix`` belongs to (``P.train`` → ``P.json``'s key), or None."""
+    import json
+
+    meta = prefix.with_name(prefix.name.rsplit(".", 1)[0] + ".json") if prefix.suffix in (".train", ".valid") else None
+    try:
+        return json.loads(meta.read_text()).get("key") if meta is not None else None
+    except (OSError, ValueError):
+        return None
+
+
 class PackedBatchLoader:
     """Infinite iterator of this rank's ``PackedBatch`` es from a megatron-core indexed dataset.
 
@@ -115,6 +126,7 @@ class PackedBatchLoader:
         self.num_docs, self.num_tokens = len(self._lengths), int(self._lengths.sum())
         if self.num_tokens == 0:
             raise ValueError(f"prefix={self.prefix}: the dataset holds no tokens")
+        self.dataset_key = _dataset_key(self.prefix)
         self._orders: dict[int, np.ndarray] = {}
         self._cursor: Cursor = (0, 0, 0)
         self.micro_batches_consumed = 0  # global: all ranks together
@@ -235,11 +247,12 @@ class PackedBatchLoader:
         """Global position (identical on every rank) plus what it was packed with.
 
         Keys: version, epoch, position, offset (tokens into a split document),
-        micro_batches_consumed (global), seed, num_docs, num_tokens, seq_len, dp_size, micro_batch_size.
+        micro_batches_consumed (global), seed, num_docs, num_tokens, dataset (the prepared dataset's
+        cache key, None when unknown), seq_len, dp_size, micro_batch_size.
         """
         epoch, pos, off = self._cursor
         return {"version": STATE_VERSION, "epoch": epoch, "position": pos, "offset": off,
-                "micro_batches_consumed": self.micro_batches_consumed, "seed": self.seed,
+                "micro_batches_consumed": self.micro_batches_consumed, "seed": self.seed, "dataset": self.dataset_key,
                 "num_docs": self.num_docs, "num_tokens": self.num_tokens, "seq_len": self.seq_len,
                 "dp_size": self.dp_size, "micro_batch_size": self.micro_batch_size}
 
@@ -255,7 +268,8 @@ class PackedBatchLoader:
         for key, mine in (("num_docs", self.num_docs), ("num_tokens", self.num_tokens), ("seed", self.seed)):
             if int(state[key]) != mine:
                 raise ValueError(f"dataloader state {key}={state[key]} but this loader has {key}={mine}: "
-                                 "resuming would skip or repeat documents")
+                                 "resuming would skip or repeat documents (a changed data: section is handled by "
+                                 "v4launch.data.resume_state before the state reaches a loader)")
         epoch, pos, off = int(state["epoch"]), int(state["position"]), int(state["offset"])
         if not (0 <= pos <= self.num_docs and off >= 0 and epoch >= 0):
             raise ValueError(f"dataloader state position={pos} offset={off} epoch={epoch} is outside the dataset")

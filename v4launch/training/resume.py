@@ -12,7 +12,11 @@ Decision (docs/training.md "How resume decides"):
    stage's ``dp = world / cp`` and ``cp``): every aspect is safe, reshard (DP / CP / world size
    changes; DCP redistributes, the data loader continues from its global position) or refused
    with the ``--allow-*`` flag that overrides it;
-5. on success resume.json records the checkpoint, the target stage and the flags; the job honours
+5. :func:`field_items` then lists every recipe field that differs between the checkpoint's recipe
+   (``Manifest.recipe``, or the run's ``recipe.<hash>.yaml``) and the new one, each safe, applied
+   (with what taking effect from the resume step means), reshard or refused: nothing the run would
+   not do is reported safe;
+6. on success resume.json records the checkpoint, the target stage and the flags; the job honours
    it once on its next start (it is renamed resume.done.json).
 """
 
@@ -41,6 +45,7 @@ class ResumePlan:
     report: Any  # checkpoints.CompatReport
     allow: tuple[str, ...]
     newer: tuple[Path, ...] = ()  # complete checkpoints after ``checkpoint``: set aside before a rollback launches
+    data_changed: bool = False  # the data: section differs from the checkpoint's: the dataset is prepared again
 
     def request(self) -> dict[str, Any]:
         """The resume.json payload."""
@@ -169,19 +174,21 @@ def set_aside(newer: tuple[Path, ...]) -> list[Path]:
 
 
 def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: str | None = None,
-                allow: tuple[str, ...] = (), checkpoint: str | None = None) -> ResumePlan:
+                allow: tuple[str, ...] = (), checkpoint: str | None = None, launcher: str = "local") -> ResumePlan:
     """Check a resume of ``run_dir`` with recipe ``loaded`` (the frozen one or a new one), from its
     latest complete checkpoint or the one ``checkpoint`` names (:func:`choose_checkpoint`; the
-    newer ones are listed in ``ResumePlan.newer``).
+    newer ones are listed in ``ResumePlan.newer``). ``launcher``: the run's (``local`` | ``slurm``).
 
     Raises:
         RefusedError: the run has no complete checkpoint.
         UsageError: an unknown stage / phase, or ``checkpoint`` names no complete checkpoint of the run.
+        DataError: a changed ``data:`` section names inputs that cannot be read.
     """
     from ..checkpoints import Manifest, check_resume
-    from ..checkpoints.base import recipe_hash
+    from ..checkpoints.base import recipe_fields, recipe_hash
+    from ..checkpoints.compat import CompatReport
     from ..data.tokenizer import get_tokenizer
-    from ..rundir import RunPaths
+    from ..rundir import RunPaths, recipe_on_record
 
     ckpt, newer = choose_checkpoint(RunPaths(Path(run_dir)).checkpoints, checkpoint)
     manifest = Manifest.read(ckpt)
@@ -193,17 +200,28 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
 
     target = plan_curriculum(recipe, world)[idx]  # the target stage's dp x cp (refuses what the job cannot run)
     groups = param_groups_for(recipe, target_phase, manifest, recipe_hash(recipe) == manifest.recipe_hash)
+    old = dict(manifest.recipe) or recipe_on_record(Path(run_dir), manifest.recipe_hash)
+    tokenizer = get_tokenizer(recipe.data.tokenizer)
     try:
         report = check_resume(manifest, recipe=recipe, target_stage_index=idx, target_phase=target_phase,
                               parallel_sizes={"world": world, "dp": target.dp, "cp": target.cp, "pp": target.pp,
                                               "tp": 1, "ep": 1},
-                              tokenizer_fingerprint=get_tokenizer(recipe.data.tokenizer).fingerprint(),
-                              param_groups=groups, allow=set(allow))
+                              tokenizer_fingerprint=tokenizer.fingerprint(),
+                              param_groups=groups, allow=set(allow), checkpoint_recipe=old)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see `v4launch resume --help`") from None
+    data_changed = old is not None and old.get("data") != recipe_fields(recipe)["data"]
+    if data_changed:
+        from ..data.prepare import cache_key
+
+        cache_key(recipe.data, tokenizer)  # new inputs that do not exist: refused now, not in the job
+    if old is not None:
+        fields = field_items(old, recipe, report.items, launcher=launcher, step=manifest.step,
+                             target_stage=idx, run_dir=Path(run_dir))
+        report = CompatReport((*report.items, *fields))
     return ResumePlan(run_dir=Path(run_dir), checkpoint=ckpt, manifest=manifest, stage_index=idx,
                       stage_name=recipe.curriculum.stages[idx].name, phase=target_phase, explicit_stage=explicit,
-                      report=report, allow=tuple(allow), newer=newer)
+                      report=report, allow=tuple(allow), newer=newer, data_changed=data_changed)
 
 
 def refusal(plan: ResumePlan) -> RefusedError:
@@ -211,7 +229,119 @@ def refusal(plan: ResumePlan) -> RefusedError:
     lines = [f"{i.aspect}: {i.reason}" + (f" (override: {i.override})" if i.override else " (no override)")
              for i in plan.report.refused]
     flags = sorted({i.override for i in plan.report.refused if i.override})
+    lines = list(dict.fromkeys(lines))
     hint = ("if you accept the consequences, add " + " ".join(flags)) if flags else \
         "these changes cannot be resumed; start a new run with `v4launch run`"
     return RefusedError(f"resume of {plan.run_dir.name} from {plan.checkpoint.name} refused:\n  " + "\n  ".join(lines),
                         hint=hint)
+
+
+# ---------------------------------------------------------------- field by field
+_DECIDED_BY: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("model.n_layers", "model.compress_ratios", "model.mtp.depth"), "layer schedule"),
+    (("optimizer.name", "precision.keep_fp32_params", "precision.policy."), "optimizer groups"),
+    (("data.tokenizer",), "tokenizer"),
+    (("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.ep",
+      "parallel.pp_layout", "parallel.cp"), "parallel."),
+)
+"""Fields whose verdict is the verdict of an aspect ``check_resume`` already decided."""
+
+_RANK = {"refused": 3, "reshard": 2, "applied": 1, "safe": 0}
+
+
+def _decided_by(path: str) -> str | None:
+    from ..checkpoints.compat import SHAPE_FIELDS
+
+    if path.startswith("model.") and path.removeprefix("model.") in SHAPE_FIELDS:
+        return "architecture"
+    return next((aspect for names, aspect in _DECIDED_BY
+                 if any(path == n or (n.endswith(".") and path.startswith(n)) for n in names)), None)
+
+
+def _data_meaning(path: str, new: Any, step: int) -> str:
+    if path == "data.seed":
+        return (f"from step {step} the loader starts a fresh pass over the data in the order of data.seed={new}: "
+                "the data order changes, the rest of the current pass is not read and documents seen before may "
+                "come again")
+    return (f"from step {step} the dataset is prepared again from the new data: section and the loader starts a "
+            "fresh pass over it: the data order changes and documents seen before may come again")
+
+
+def _meaning(path: str, new: Any, ctx: dict[str, Any]) -> tuple[str, str, str | None]:
+    """(verdict, what taking the new value means, override flag) of a field no aspect decides."""
+    step, launcher = ctx["step"], ctx["launcher"]
+    if path.startswith("data."):
+        return "applied", _data_meaning(path, new, step), None
+    if path == "run.output_root":
+        return "refused", (f"an existing run stays in {ctx['run_dir']}: run.output_root only places new runs "
+                           "(revert it, or start a new run)"), None
+    if path.startswith("slurm.") and launcher != "slurm":
+        return "refused", ("a local run never reads the slurm: section (it applies to runs started with "
+                           "`v4launch submit`): revert it"), None
+    if path.startswith("slurm."):
+        return "applied", "used by the next Slurm job this run submits (the relaunch and later stages)", None
+    if path == "run.seed":
+        return "applied", (f"each stage started from here seeds its RNG from run.seed={new}; parameters keep their "
+                           "trained values (their initialisation is not redone)"), None
+    if path.startswith(("logging.", "checkpointing.")) or path in ("name", "description", "run.threads"):
+        return "safe", f"bookkeeping only: used from step {step} (the training math is unchanged)", None
+    if path.startswith("optimizer."):
+        return "applied", f"the optimizer and LR schedule use it from step {step}; saved optimizer state is kept", None
+    return "applied", f"the job trains with it from step {step}", None
+
+
+def _stage_field(path: str, ctx: dict[str, Any]) -> tuple[str, str, str | None] | None:
+    """A field of a curriculum stage the resume continues before (it never runs again): refused."""
+    parts = path.split(".")
+    if len(parts) < 3 or parts[:2] != ["curriculum", "stages"] or not parts[2].isdigit():
+        return None
+    k = int(parts[2])
+    if k >= ctx["target_stage"]:
+        return None
+    return "refused", (f"stage #{k} is finished before the stage the resume continues in (#{ctx['target_stage']}): "
+                       "the change would never take effect and would shift the LR schedule; revert it, or resume "
+                       f"at that stage (`--stage {k}`)"), None
+
+
+def field_items(old: Any, recipe: Any, aspects: Any, *, launcher: str, step: int, target_stage: int,
+                run_dir: Path) -> list[Any]:
+    """One ``CompatItem`` per recipe field that differs between the checkpoint's recipe and ``recipe``.
+
+    Args:
+        old: the checkpoint's recipe as ``recipe_fields`` (``Manifest.recipe``).
+        recipe: the resolved recipe of the resume.
+        aspects: the items ``check_resume`` produced; a field they decide (layer schedule, shapes,
+            optimizer groups, tokenizer, parallel sizes) takes the verdict of its aspect.
+        launcher: the run's launcher (a local run never reads ``slurm:``).
+        step: the checkpoint's global step (where the new values take effect).
+        target_stage: the stage index the resume continues in.
+
+    Returns:
+        Items named by the dotted field path (``data.seed``), reason ``old → new: meaning``; the
+        verdict is ``safe``, ``applied``, ``reshard`` or ``refused`` (with its flag, if any).
+    """
+    from ..checkpoints.base import recipe_fields
+    from ..checkpoints.compat import CompatItem, changed_fields
+
+    ctx = {"step": step, "launcher": launcher, "target_stage": target_stage, "run_dir": run_dir}
+    out = []
+    for path, a, b in changed_fields(old, recipe_fields(recipe)):
+        what = f"{a} → {b}"
+        aspect = _decided_by(path)
+        decided = [i for i in aspects if aspect and (i.aspect == aspect or i.aspect.startswith(aspect))]
+        staged = _stage_field(path, ctx)
+        if staged is not None:
+            verdict, meaning, flag = staged
+            out.append(CompatItem(path, verdict, f"{what}: {meaning}", flag))
+        elif decided:
+            worst = max(decided, key=lambda i: _RANK[i.verdict])
+            if worst.verdict == "safe" and not worst.overridden:
+                out.append(CompatItem(path, "applied", f"{what}: the job trains with it from step {step} "
+                                                       f"({worst.aspect}: {worst.reason})"))
+            else:
+                out.append(CompatItem(path, worst.verdict, f"{what}: see {worst.aspect} ({worst.reason})",
+                                      worst.override, worst.overridden))
+        else:
+            verdict, meaning, flag = _meaning(path, b, ctx)
+            out.append(CompatItem(path, verdict, f"{what}: {meaning}", flag))
+    return out

@@ -14,6 +14,7 @@ import torch
 from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids, describe_params
 from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoints.stateful import ModelState, OptimizerState
+from ..data.resume_state import loader_state_for_resume
 from ..errors import ContractViolation, RefusedError
 from ..model import V4Model
 from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
@@ -49,6 +50,7 @@ class Runner:
         self.metrics: Any = None
         self.loader = self.batches = None
         self._saved_loader: dict | None = None
+        self.data_note: str | None = None  # set when a resume rebuilt the loader state for new data
         self.loader_stage = -1
         self.last_saved: tuple[int, Path] | None = None
         self.resumed_from: Path | None = None
@@ -129,6 +131,8 @@ class Runner:
         set_rng_state(states["train_state"]["rng"])
         blob = states["dataloader"]["state"]
         self._saved_loader = pickle.loads(blob) if blob else None
+        self._saved_loader, self.data_note = loader_state_for_resume(  # a resume that changed the data: section
+            self._saved_loader, manifest=manifest, recipe=self.recipe, dataset=self.dataset, run_dir=self.run.paths.root)
         self.resumed_from = path
         par = manifest.parallel
         self.saved_layout = (par["dp"], par["cp"], par.get("pp", 1)) if "dp" in par and "cp" in par else None
@@ -149,6 +153,8 @@ class Runner:
         self.metrics.event(p.step, "start", f"run {self.run.paths.root.name}: {where} at step {p.step}, stage "
                            f"{plan.name}, phase {p.phase}, world {self.info.world} ({describe_layout(plan.dp, plan.cp, plan.pp)})",
                            resumed_from=str(self.resumed_from or ""))
+        if self.data_note:
+            self.metrics.event(p.step, "data", self.data_note)
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""
