@@ -202,14 +202,14 @@ class _quiet:
         self.range = torch.profiler.record_function(f"kernel:{name}")
 
     def __enter__(self):
-        self.range.__enter__()
         if COUNTER:
             COUNTER[0].kernel_depth += 1
+        self.range.__enter__()
 
     def __exit__(self, *exc):
+        self.range.__exit__(*exc)
         if COUNTER:
             COUNTER[0].kernel_depth -= 1
-        self.range.__exit__(*exc)
 
 
 def _count(name: str) -> None:
