@@ -30,7 +30,7 @@ from .args import ModelArgs
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
-from .kernels.layer import attention_forward
+from .kernels.layer import attention_forward, gather_label
 from .packing import CompressPlan, EntryMemory, Pack, entry_range, visible_table
 from .parallel import SINGLE_DEVICE, ContextParallel, Shard
 from .rope import RotaryEmbedding, apply_rope
@@ -170,7 +170,7 @@ class Attention(FP32Pinned):
                 if self.has_indexer:
                     inp = self.indexer.prepare(x, qr, ctx.pack.pos, plan, self.rope, x_comp=xe)
                     parts.append(inp.keys)
-                mems = ctx.cp.gather(parts, plan, ctx.shard, f"layer_{self.layer_id:02d}")
+                mems = ctx.cp.gather(parts, plan, ctx.shard, gather_label(ctx.cp, self.layer_id))
                 comp = EntryMemory(mems[0].buf.to(acc), mems[0].phys)  # all entries, by logical id
                 if inp is not None:
                     inp.keys = mems[1]

@@ -6,10 +6,20 @@ share compiled code and compile time stays that of one block). ``nn.Module.compi
 in place: parameter names, state dicts and checkpoints are unchanged, and the blocks are found
 by type, wherever the model keeps them (a ``ModuleList`` or a ``ModuleDict`` of a pipeline stage).
 
-Graph breaks remain where a block leaves tensor land (the routed-expert split sizes, the
-attention's host-side chunk ranges, Triton kernels behind custom autograd functions), so the
-default is ``fullgraph=False``; the fused pieces between them (norms, mHC, RoPE, SwiGLU,
-router) become fused kernels.
+Graph breaks remain where a block leaves tensor land, so the default is ``fullgraph=False``; the
+pieces between them (norms, mHC, RoPE, SwiGLU, router, casts) become fused kernels:
+
+* the Triton attention kernels: their entry points (``kernels.triton_attention.sparse_sink_attention``,
+  ``head_avg_probs``, ``kernels.triton_indexer.indexer_topk``) are ``torch.compiler.disable``d, so
+  dynamo never traces into a kernel (traced, Triton refused the kernel: a Python float argument
+  became fp64) and the block's graph splits around each call;
+* host-side ranges (the reference attention's chunks, the indexer's row ranges), and the
+  per-expert loop of the CPU / float32 expert path (split sizes read on the host).
+
+Recompilation: the blocks share code, so dynamo keeps one cache entry per kind of block (SWA with
+a hash router, CSA with an indexer, HCA, MTP, and the first layer of each kind, which fills the
+batch's RoPE / plan caches): six entries of the attention code on the benchmark model, within
+dynamo's default limit of 8. Nothing specialises on the layer id (``kernels.layer.gather_label``).
 """
 
 from __future__ import annotations

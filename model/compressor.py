@@ -16,23 +16,51 @@ import torch
 from torch import nn
 
 from .common import FP32Pinned, RMSNorm, acc_dtype, linear
+from .matmul import low_dtype, project
 from .packing import CompressPlan
 from .rope import RotaryEmbedding, apply_rope
 
 
-def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Normalised Sylvester-Hadamard matrix [n, n] (symmetric, orthogonal; n a power of 2).
+_HADAMARD: dict[tuple, torch.Tensor] = {}
 
-    ``x @ H`` equals ``fast_hadamard_transform(x, scale=n**-0.5)`` used upstream
-    (``rotate_activation``); deterministic, not randomised (spec §2 "Indexer").
+
+def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device, normalised: bool = True) -> torch.Tensor:
+    """Sylvester-Hadamard matrix [n, n] (symmetric; n a power of 2), built once per (n, dtype, device).
+
+    ``normalised``: entries ``+-n**-0.5`` (orthogonal), so ``x @ H`` equals
+    ``fast_hadamard_transform(x, scale=n**-0.5)`` used upstream (``rotate_activation``);
+    else the +-1 signs (exact in bf16). Deterministic, not randomised (spec §2 "Indexer").
+    The cached tensor is shared: do not modify it.
+
+    Raises:
+        ValueError: n is not a power of two.
     """
     if n < 1 or n & (n - 1):
         raise ValueError(f"hadamard size n={n}: must be a power of two. Fix: use a power-of-two index_head_dim "
                          "or ModelArgs(use_hadamard=False).")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h * n ** -0.5).to(device=device, dtype=dtype)
+    key = (n, dtype, torch.device(device), normalised)
+    if key not in _HADAMARD:
+        with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable by autograd later
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < n:
+                h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+            _HADAMARD[key] = (h * n ** -0.5 if normalised else h).to(device=device, dtype=dtype)
+    return _HADAMARD[key]
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` with the normalised Hadamard matrix of size n = x.shape[-1]: [..., n] -> [..., n], x's dtype.
+
+    float32 / float64 (no autocast): ``(x @ H)`` in the accumulation dtype, as the upstream transform.
+    bf16 / fp16 (or autocast): a bf16 GEMM against the exact +-1 signs with float32 accumulation and
+    output (``matmul.project``, tensor cores), times ``n**-0.5`` in float32, rounded once to x's
+    dtype; a float32 GEMM of upcast operands on the CUDA cores before (issue 17).
+    """
+    n, acc = x.shape[-1], acc_dtype(x.dtype)
+    if low_dtype(x) is None:
+        return (x.to(acc) @ hadamard_matrix(n, acc, x.device)).to(x.dtype)
+    signs = hadamard_matrix(n, low_dtype(x), x.device, normalised=False)  # symmetric: its own transpose
+    return (project(x, signs, acc) * n ** -0.5).to(x.dtype)
 
 
 class Compressor(FP32Pinned):
@@ -86,5 +114,5 @@ class Compressor(FP32Pinned):
         cos, sin = rope.cos_sin(plan.pos, x.dtype)
         out = apply_rope(out, cos, sin)
         if self.rotate:
-            out = (out.to(acc) @ hadamard_matrix(d, acc, x.device)).to(x.dtype)
+            out = hadamard_rotate(out)
         return out

@@ -23,7 +23,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .common import acc_dtype, linear
-from .compressor import Compressor, hadamard_matrix
+from .compressor import Compressor, hadamard_rotate
 from .packing import CompressPlan, EntryMemory
 from .rope import RotaryEmbedding, apply_rope
 
@@ -89,8 +89,7 @@ class Indexer(nn.Module):
         cos, sin = rope.cos_sin(positions, x.dtype)
         q = apply_rope(q, cos, sin)
         if self.use_hadamard:
-            acc = acc_dtype(x.dtype)
-            q = (q.to(acc) @ hadamard_matrix(self.head_dim, acc, x.device)).to(x.dtype)
+            q = hadamard_rotate(q)
         w = linear(x, self.weights_proj, acc_dtype(x.dtype)) * self.weight_scale  # [T, H_I]
         return IndexerInputs(q=q, w=w, keys=self.compressor(x_comp, plan, rope))
 

@@ -17,7 +17,7 @@ only its own. The local experts run as one grouped GEMM (:func:`run_local_expert
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +179,78 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
     return torch._grouped_mm(h.to(dtype), stacked("w2"), offs=offsets)
 
 
+class Route(NamedTuple):
+    """Token slots sorted by expert. A slot is one (token t, choice k) pair, numbered ``t * K + k``
+    in token-major order; the sorted order groups slots by expert (stable: by token within one).
+
+    order [T*K]: token-major slot at each sorted position. token_of [T*K]: its token (``order // K``).
+    slot_to_sorted [T*K]: sorted position of each token-major slot (the inverse permutation).
+    counts [E] int64: slots per expert (the group sizes of the sorted order).
+    """
+
+    order: torch.Tensor
+    token_of: torch.Tensor
+    slot_to_sorted: torch.Tensor
+    counts: torch.Tensor
+
+
+def route_slots(indices: torch.Tensor, n_experts: int) -> Route:
+    """Sort the slots of ``indices`` [T, K] (expert ids) by expert; see :class:`Route`.
+
+    No atomics and no host synchronisation: one stable sort, the counts by binary search of the
+    expert boundaries in the sorted ids, the inverse permutation by a scatter of distinct rows.
+    """
+    T, K = indices.shape
+    experts, order = indices.flatten().sort(stable=True)  # [T*K] each
+    ends = torch.searchsorted(experts, torch.arange(n_experts, device=indices.device, dtype=experts.dtype), right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))  # [E]
+    slot_to_sorted = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device=order.device))
+    return Route(order, order // K, slot_to_sorted, counts)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``out = src[index]`` where every row of ``src`` is read exactly ``group`` times, so the
+    gradient is a gather too: ``d src[r] = sum_g d out[adjoint[r * group + g]]``.
+
+    For the expert dispatch (src = tokens [T, dim], index = token of each sorted slot,
+    adjoint = sorted position of each token-major slot, group = K) and the combine (src = sorted
+    slots, index = sorted position of each token-major slot, adjoint = the sort order,
+    group = 1). Autograd's own backward of ``src[index]`` accumulates with atomics or a sort.
+    """
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, adjoint: torch.Tensor, group: int) -> torch.Tensor:
+        ctx.save_for_backward(adjoint)
+        ctx.group = group
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (adjoint,) = ctx.saved_tensors
+        d = grad.index_select(0, adjoint)
+        if ctx.group > 1:
+            d = d.view(-1, ctx.group, *grad.shape[1:]).sum(1)
+        return d, None, None, None
+
+
+def gather_rows(x: torch.Tensor, token_of: torch.Tensor, slot_to_sorted: torch.Tensor, k: int) -> torch.Tensor:
+    """Dispatch: x [T, dim] -> the token row of every sorted slot [T*K, dim] (``x[token_of]``).
+    Backward: each token's gradient is the sum of its K slots' gradients, gathered (no atomics)."""
+    return _GatherRows.apply(x, token_of, slot_to_sorted, k)
+
+
+def combine_slots(ys: torch.Tensor, route: Route, weights: torch.Tensor) -> torch.Tensor:
+    """Combine: expert outputs of the sorted slots ys [T*K, dim] -> ``y_t = sum_k w_tk ys[slot(t, k)]``.
+
+    weights [T, K] routing weights (accumulation dtype) -> y [T, dim] in the weights' dtype. The
+    slots are gathered back to token-major order (backward: a gather by the sort order), then
+    weighted and summed per token: no scatter, no atomics.
+    """
+    T, K = weights.shape
+    slots = _GatherRows.apply(ys, route.slot_to_sorted, route.order, 1)  # [T*K, dim] token-major
+    return (slots.view(T, K, -1) * weights[..., None]).sum(1)
+
+
 class MoE(nn.Module):
     """Routed experts + one shared expert. x [T, dim] -> (y [T, dim], balance loss 0-d).
 
@@ -214,20 +286,14 @@ class MoE(nn.Module):
                 n_segments: int, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (y [T, dim], balance loss); ``cp``: see :func:`sequence_balance_loss`."""
         weights, indices, scores = self.gate(x, token_ids)  # [T, K], [T, K], [T, E]
-        flat = indices.flatten()  # [T*K]
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).index_add_(
-            0, flat, torch.ones_like(flat))  # [E] (torch.bincount would host-sync on CUDA)
+        route = route_slots(indices, self.n_experts)
         if self.training:
-            self.expert_counts += counts
-        token_of = order // self.topk  # [T*K] token of each sorted slot
-        xs = x[token_of].to(_compute_dtype(x))  # [T*K, dim]; cast before dispatch: bf16 rows under autocast
-        x_local, local_counts, ctx = self.dispatcher.dispatch(xs, counts)
+            self.expert_counts += route.counts
+        xs = gather_rows(x.to(_compute_dtype(x)), route.token_of, route.slot_to_sorted, self.topk)  # [T*K, dim]
+        x_local, local_counts, ctx = self.dispatcher.dispatch(xs, route.counts)
         y_local = run_local_experts(list(self.experts.values()), x_local, local_counts)
         ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
-        acc = acc_dtype(x.dtype)
-        ws = weights.flatten()[order, None].to(acc)  # [T*K, 1]
-        y = torch.zeros(x.shape, dtype=acc, device=x.device).index_add(0, token_of, ys.to(acc) * ws)
+        y = combine_slots(ys, route, weights)  # [T, dim] accumulation dtype
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).to(y.dtype)
         loss = sequence_balance_loss(scores, indices, seg, n_segments, self.n_experts, cp)

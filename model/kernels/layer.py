@@ -33,6 +33,13 @@ from ..rope import apply_rope
 from .dispatch import Backend
 
 
+def gather_label(cp, layer_id: int) -> str:
+    """Name of a layer's entry all-gather for the CP traffic counter ("layer_NN"); "layer" on one
+    device (``cp.size == 1``), where nothing is gathered: a per-layer string would make
+    ``torch.compile`` specialise, and recompile, every compiled block on its layer id."""
+    return f"layer_{layer_id:02d}" if cp.size > 1 else "layer"
+
+
 def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
     acc = acc_dtype(q.dtype)  # float32 like Indexer.score_at: the KL gradient (p_s - p_t) is sensitive to it
@@ -147,7 +154,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
             if attn.has_indexer:
                 inp = attn.indexer.prepare(x, qr, ctx.pack.pos, plan, attn.rope, x_comp=xe)
                 parts.append(inp.keys)
-            mems = ctx.cp.gather(parts, plan, ctx.shard, f"layer_{attn.layer_id:02d}")
+            mems = ctx.cp.gather(parts, plan, ctx.shard, gather_label(ctx.cp, attn.layer_id))
             comp = mems[0].rows(0, plan.n_entries)  # [C, D], logical order
             first, nvis = plan.seg_offset[ext.seg[e]], plan.n_visible[e]
             if inp is not None:

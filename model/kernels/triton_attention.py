@@ -308,17 +308,25 @@ class _SparseSinkAttention(torch.autograd.Function):
         return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
 
 
+@torch.compiler.disable
 def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor], sink: torch.Tensor,
                           scale: float, ranges: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`v4launch.model.kernels.reference.sparse_sink_attention`
-    (same arguments and results; ``lse`` float32; gradients for q, kv, sink)."""
+    (same arguments and results; ``lse`` float32; gradients for q, kv, sink).
+
+    Never traced by ``torch.compile`` (``torch.compiler.disable``): a compiled caller (e.g. a
+    block of ``compile.compile_blocks``) breaks its graph here and the kernels launch as written.
+    Traced, dynamo typed the Python float ``scale`` as fp64 inside the kernel and Triton refused
+    the loop-carried softmax maximum (fp32 initial value re-assigned fp64)."""
     return _SparseSinkAttention.apply(q, kv, sink, idx, ranges, float(scale))
 
 
+@torch.compiler.disable
 def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` (two passes:
-    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32."""
+    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32.
+    Never traced by ``torch.compile`` (see :func:`sparse_sink_attention`)."""
     q, kv = q.contiguous(), kv.contiguous()
     T, H, D = q.shape
     K = idx.shape[1]

@@ -66,8 +66,11 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: 
     return out
 
 
+@torch.compiler.disable
 def indexer_topk(q, w, keys, first, n_visible, topk: int, max_entries: int) -> torch.Tensor:
-    """Triton-scored version of :func:`reference.indexer_topk` (same arguments and result)."""
+    """Triton-scored version of :func:`reference.indexer_topk` (same arguments and result).
+    Never traced by ``torch.compile`` (a compiled caller breaks its graph here: the row ranges are
+    read on the host and the scores come from a Triton kernel)."""
     return reference.indexer_topk(q, w, keys, first, n_visible, topk, max_entries, score_fn=indexer_scores)
 
 
