@@ -194,12 +194,13 @@ def model_case(case: dict) -> dict:
 
 def full_state(model, opt: Optimizers) -> dict:
     """Whole (gathered) parameters and optimizer state of ``model`` keyed by FQN, for comparisons."""
-    from v4launch.checkpoints import OptimizerState
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     def whole(t):
         return t.full_tensor() if isinstance(t, DTensor) else (t.clone() if isinstance(t, torch.Tensor) else t)
 
-    optim = OptimizerState(model, opt.optimizers).state_dict()
+    # nested (not the checkpoint's flattened per-parameter form) so state and groups compare by FQN
+    optim = get_optimizer_state_dict(model, opt.optimizers)
     return {"params": {n: whole(p.detach()) for n, p in model.named_parameters()},
             "state": {fqn: {k: whole(v) for k, v in s.items()} for fqn, s in optim["state"].items()},
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in optim["param_groups"]]}
