@@ -4,6 +4,9 @@ A uniquely named module (not ``conftest``) so other test folders' conftest modul
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from v4launch.model import ModelArgs, V4Model
@@ -60,3 +63,34 @@ def build(args: ModelArgs, phase: str, gen: torch.Generator, dtype=torch.float64
     model = V4Model(args, phase, **kw).to(dtype)
     randomize(model, gen)
     return model
+
+
+def gloo_spawn(world: int, cases: list[dict], tmp_path, run_case) -> list[list[dict]]:
+    """Run ``run_case(case)`` for every case on ``world`` gloo ranks (one thread each, a file store in
+    ``tmp_path``); returns results[rank][case index] (each result JSON-serialisable).
+
+    ``run_case`` must be a module-level function (the ranks are spawned processes that import it).
+    Raises: whatever a rank raised, as ``torch.multiprocessing.ProcessRaisedException``.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_entry, args=(world, str(tmp_path), cases, run_case), nprocs=world, join=True)
+    out = []
+    for rank in range(world):
+        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _gloo_entry(rank: int, world: int, tmp: str, cases: list[dict], run_case) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        results = [run_case(case) for case in cases]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)

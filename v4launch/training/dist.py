@@ -224,23 +224,14 @@ def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = N
 
     One flat all-reduce SUM over ``group`` (the S group; None = the world) in a fixed order,
     divided by ``dp`` (default: the world, i.e. cp = 1); equal to CP-sum + DP-mean (module
-    docstring). Float32 buffer (float64 when a gradient is float64).
+    docstring). The reduction itself is ``model.parallel.data_parallel.reduce_gradients``
+    (float32 buffer, float64 when a gradient is float64); a single process does nothing.
     """
     if not info.active:
         return
-    dp = info.world if dp is None else dp
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dp
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset:offset + n].view_as(g))
-        offset += n
+    from ..model.parallel.data_parallel import reduce_gradients
+
+    reduce_gradients(params, group, info.world if dp is None else dp)
 
 
 def global_grad_norm(params: list[torch.Tensor], pipe_group: Any) -> torch.Tensor:

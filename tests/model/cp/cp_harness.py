@@ -9,17 +9,15 @@ its traffic records. A uniquely named module so no other conftest shadows it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/model (v4_helpers)
 
-from v4_helpers import build, packed_batch, randomize, tiny_args  # noqa: E402
+from v4_helpers import build, gloo_spawn, packed_batch, randomize, tiny_args  # noqa: E402
 
 from v4launch.model import model as model_module  # noqa: E402
 from v4launch.model.attention import Attention, BatchContext  # noqa: E402
@@ -34,25 +32,12 @@ def spawn(world: int, cases: list[dict], tmp_path) -> list[list[dict]]:
     """Run ``cases`` (each with ``kind``: "layer", "model" or "errors") on ``world`` gloo ranks.
 
     Returns results[rank][case index]."""
-    mp.spawn(_entry, args=(world, str(tmp_path), cases), nprocs=world, join=True)
-    out = []
-    for rank in range(world):
-        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return gloo_spawn(world, cases, tmp_path, run_case)
 
 
-def _entry(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    try:
-        run = {"layer": layer_case, "model": model_case, "errors": error_case}
-        results = [run[case["kind"]](case) for case in cases]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+def run_case(case: dict) -> dict:
+    """One case on this rank (dispatched by its contents)."""
+    return {"layer": layer_case, "model": model_case, "errors": error_case}[case["kind"]](case)
 
 
 def stand_in_fused_backend() -> dispatch.Backend:

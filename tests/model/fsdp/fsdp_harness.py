@@ -10,20 +10,18 @@ parameters after each optimizer step. A uniquely named module so no other confte
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/model (v4_helpers)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "checkpoints"))  # ckpt_helpers
 
-from v4_helpers import build, packed_batch, tiny_args  # noqa: E402
+from v4_helpers import build, gloo_spawn, packed_batch, tiny_args  # noqa: E402
 
 from v4launch.model.parallel import SINGLE_DEVICE, ContextParallelGroup, shard_thd_batch  # noqa: E402
 from v4launch.model.parallel.data_parallel import clip_grad_norm, reduce_gradients  # noqa: E402
@@ -43,25 +41,12 @@ OPT = dict(name="muon_adamw", lr=1e-2, muon_lr=2e-2, weight_decay=0.1, eps=1e-6)
 
 def spawn(world: int, cases: list[dict], tmp_path) -> list[list[dict]]:
     """Run ``cases`` (each with ``kind``) on ``world`` gloo ranks; returns results[rank][case index]."""
-    mp.spawn(_entry, args=(world, str(tmp_path), cases), nprocs=world, join=True)
-    out = []
-    for rank in range(world):
-        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return gloo_spawn(world, cases, tmp_path, run_case)
 
 
-def _entry(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    try:
-        run = {"model": model_case, "load": load_case, "optim": optim_case, "errors": error_case}
-        results = [run[case["kind"]](case) for case in cases]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+def run_case(case: dict) -> dict:
+    """One case on this rank (dispatched by its contents)."""
+    return {"model": model_case, "load": load_case, "optim": optim_case, "errors": error_case}[case["kind"]](case)
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,18 +12,16 @@ names it covered. A uniquely named module so no conftest shadows it.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/model (v4_helpers)
 
-from v4_helpers import build, packed_batch, tiny_args  # noqa: E402
+from v4_helpers import build, gloo_spawn, packed_batch, tiny_args  # noqa: E402
 
 from v4launch.model.parallel import ContextParallelGroup, shard_thd_batch  # noqa: E402
 from v4launch.model.parallel.pipeline import PipelineParallel, cut_stage, local_specs, stage_specs  # noqa: E402
@@ -42,24 +40,12 @@ class MB:
 
 def spawn(world: int, cases: list[dict], tmp_path) -> list[list[dict]]:
     """Run ``cases`` on ``world`` gloo ranks; returns results[rank][case index]."""
-    mp.spawn(_entry, args=(world, str(tmp_path), cases), nprocs=world, join=True)
-    out = []
-    for rank in range(world):
-        with open(os.path.join(tmp_path, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return gloo_spawn(world, cases, tmp_path, run_case)
 
 
-def _entry(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    try:
-        results = [pipeline_case(case) for case in cases]
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+def run_case(case: dict) -> dict:
+    """One case on this rank (dispatched by its contents)."""
+    return pipeline_case(case)
 
 
 def _groups(pp: int, dp: int, cp: int):
