@@ -101,6 +101,9 @@ def test_plan_splits_the_world_into_pipeline_ranks_and_refuses_what_the_schedule
         plans("parallel.pp=2", "parallel.global_batch_size=4")
     with pytest.raises(ContractViolation, match="does not divide the 2 ranks of a pipeline rank"):
         plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.cp=4", "parallel.global_batch_size=4")
+    for field in ("parallel.ep=2", "parallel.distributed_optimizer=true"):  # refused before any rank starts
+        with pytest.raises(ContractViolation, match=f"{field}: the training job does not apply"):
+            plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.global_batch_size=4", field)
 
 
 def test_rank_grid_puts_cp_innermost_and_pp_outermost():

@@ -71,8 +71,15 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
             does not divide the ranks of a pipeline rank, whose packed sequence does not split into cp slices of
             at least the boundary width; a global batch not divisible by micro_batch · dp; a stage whose
             indexer_loss override the bundled model cannot follow; under PP, fewer micro-batches than the
-            schedule needs.
+            schedule needs; parallel.ep > 1 or parallel.distributed_optimizer (not applied by the job yet).
     """
+    par = recipe.parallel
+    if par.ep > 1 or par.distributed_optimizer:
+        field = f"parallel.ep={par.ep}" if par.ep > 1 else "parallel.distributed_optimizer=true"
+        raise ContractViolation(
+            f"{field}: the training job does not apply expert parallelism or sharded data parallelism yet "
+            "(docs/parallelism.md: both are built and tested at model level, not wired into the seam)",
+            hint="set parallel.ep=1 parallel.distributed_optimizer=false to run now")
     if recipe.parallel.tp != 1:
         raise ContractViolation(f"parallel.tp={recipe.parallel.tp}: the training job runs tp = 1 only",
                                 hint="set parallel.tp=1 (V4 hybrid attention has no TP)")
