@@ -127,3 +127,12 @@ def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) 
     (``matmul.project``), not a float32 GEMM.
     """
     return project(x, layer.weight, dtype)
+
+
+def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """0-d tensors on one device (name -> value) -> floats, read back in ONE device -> host transfer
+    (the training step's loss sums; summing them per micro-batch on the host would sync per loss)."""
+    if not values:
+        return {}
+    names = list(values)
+    return dict(zip(names, torch.stack([values[k].reshape(()) for k in names]).tolist()))

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ...validators.layout import parse_layout, structure_problems
+from ..common import to_host
 from ..model import V4Model
 
 
@@ -106,10 +107,13 @@ class MicroBatchTable:
 
     batches: list[Any] = field(default_factory=list)
     weight_of: Optional[Callable[[str], float]] = None
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def record(self, name: str, value: torch.Tensor) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value.detach())
+        """Add the 0-d loss ``value`` to ``sums[name]`` on the device (float64, detached): no host sync."""
+        v = value.detach().to(torch.float64)
+        self.sums[name] = self.sums[name] + v if name in self.sums else v
+
 
 
 class AuxGrad(torch.autograd.Function):
@@ -290,7 +294,7 @@ class PipelineParallel:
         args = (index,) if self.has_first else ()
         target = torch.zeros(n) if (train and self.has_last) else None  # unused by the loss; the schedule wants one
         schedule.step(*args, target=target, return_outputs=False, mb=index)
-        return dict(self.table.sums)
+        return to_host(self.table.sums)  # one device -> host transfer
 
     def step(self, batches: Sequence[Any], weight_of: Callable[[str], float]) -> dict[str, float]:
         """Forward + backward of ``batches`` (the step's micro-batches) through the pipeline.

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ..model.common import to_host
 from .dist import (DistInfo, Layout, average_grads, fill_missing_grads, global_grad_norm, mean_scalars, merge_over,
                    sum_tensors)
 from .optim import Optimizers
@@ -137,7 +138,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}  # on the device: no host sync per loss and micro-batch
     n = tokens = 0
     for mb in micro_batches:
         with autocast():
@@ -145,12 +146,14 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
         loss = compose_loss(out.lm_loss, out.aux_losses, weights)
         (loss / accum).backward()
         for name, value in (("lm_loss", out.lm_loss), *out.aux_losses.items()):
-            sums[name] = sums.get(name, 0.0) + float(value.detach())
+            v = value.detach().to(torch.float64)
+            sums[name] = sums[name] + v if name in sums else v
         n += 1
         tokens += int(getattr(mb, "num_real_tokens", mb.tokens.numel()))
     if n != accum:
         raise RuntimeError(f"step got {n} micro-batches, expected {accum}")
-    return sums, n, tokens
+    return to_host(sums), n, tokens
+
 
 
 def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
@@ -214,6 +217,7 @@ def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
     last stage computes it (forward-only schedule) and the pipeline group shares it."""
     model.eval()
     sums: dict[str, float] = {}
+    total: torch.Tensor | None = None  # on the device: one host read after the loop
     n = 0
     if pipeline is not None:
         batches = list(batches)
@@ -225,8 +229,10 @@ def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
         for mb in batches:
             with autocast():
                 out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
-            sums["lm_loss"] = sums.get("lm_loss", 0.0) + float(out.lm_loss)
+            loss = out.lm_loss.detach().to(torch.float64)
+            total = loss if total is None else total + loss
             n += 1
+        sums = to_host({"lm_loss": total}) if total is not None else {}
     model.train()
     if n == 0:
         return {}
