@@ -45,6 +45,14 @@ def test_dry_run_prints_the_exact_script_and_submits_nothing(ws):
     assert syntax.returncode == 0, syntax.stderr
 
 
+def test_submit_refuses_what_the_job_planner_refuses_before_anything_is_queued(ws):
+    """A recipe that validates but that the job cannot run (ep > 1 today) stops at submit, like run."""
+    out = cli("submit", str(REPO / "recipes" / "flash_debug.yaml"), "--nodes", "1", "parallel.ep=2", "--dry-run", cwd=ws)
+    assert out.returncode == 1, out.stdout
+    assert "parallel.ep=2: the training job does not apply expert parallelism" in out.stderr
+    assert "Traceback" not in out.stderr and not out.stdout and not (ws / "runs").exists()
+
+
 def test_submit_defaults_to_the_workspace_recipe(ws):
     from v4launch.workspace import Workspace
 

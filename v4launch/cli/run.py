@@ -45,7 +45,6 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     from ..data import get_tokenizer, prepare_dataset
     from ..launchers import LocalLauncher
     from ..rundir import code_revision, create_run_dir, record_code, update_run_extra
-    from ..training.plan import plan_curriculum
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
 
@@ -59,7 +58,6 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
         OUT.note(f"warning: {warning}")
     ws.remember(recipe=str(path))
     r = loaded.recipe
-    plan_curriculum(r, r.cluster.world_size)  # stages the job cannot run are refused before any work
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "

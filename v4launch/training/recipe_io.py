@@ -78,10 +78,13 @@ def _stage_label(names: list[str]) -> str:
 
 
 def check_recipe(loaded: Any) -> list[str]:
-    """Validate the contract; return warning lines.
+    """Validate the contract, then plan the curriculum as the job will; return warning lines.
+
+    The one check ``run``, ``submit`` and ``resume`` make before anything is created or queued.
 
     Raises:
-        ContractViolation: when the report has violations; the message lists every rule id.
+        ContractViolation: when the report has violations (the message lists every rule id), or
+            when the job's planner refuses a recipe the contract allows (``plan.plan_curriculum``).
     """
     try:
         from ..validators import validate_recipe  # type: ignore[attr-defined]
@@ -101,4 +104,7 @@ def check_recipe(loaded: Any) -> list[str]:
         raise ContractViolation(
             f"[{ids}] recipe {loaded.recipe.name} breaks the V4 contract ({len(lines)} violation(s)):\n  " + "\n  ".join(lines),
             hint=f"`{again}` gives the full report (the same recipe and overrides); fix the fields, then run again")
+    from .plan import plan_curriculum
+
+    plan_curriculum(loaded.recipe, loaded.recipe.cluster.world_size)  # the job refuses what it cannot run
     return [f"{w.rule_id}: {w.message}" for w in report.warnings]
