@@ -16,11 +16,9 @@ import torch
 
 from ..model import V4Model
 from .base import SINGLE_DEVICE, ContextParallel
+from .expert import apply_expert_parallel
+from .fsdp import apply_fsdp, routed_expert_params, shard_mesh
 from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
-
-
-class NotAvailableError(NotImplementedError):
-    """A parallel feature the layout asks for is not part of this build."""
 
 
 @dataclass(frozen=True)
@@ -52,12 +50,17 @@ class ParallelGroups:
     Attributes:
         pp_rank: this rank's pipeline rank.
         pipeline: the pipeline group (one rank per pipeline rank, pipeline-rank order).
-        shard: the S group (the dp · cp ranks of this pipeline rank), for FSDP and EP.
+        shard: the S group (the dp · cp ranks of this pipeline rank; None = the world when pp = 1), for FSDP.
+        ep_rank, ep: this rank's index in its EP group (contiguous ``ep`` ranks inside S) and that group.
+        dp: data-parallel replicas of the first curriculum stage (``S / cp``): FSDP's gradient divide factor.
     """
 
     pp_rank: int = 0
     pipeline: Any = None
     shard: Any = None
+    ep_rank: int = 0
+    ep: Any = None
+    dp: int = 1
 
 
 @dataclass
@@ -70,12 +73,17 @@ class ParallelModel:
         parts: the modules the forward runs, one per local pipeline stage (``[model]`` when pp = 1).
         pipeline: the stages and schedules (None when pp = 1).
         specs: the local stages' :class:`StageSpec` s (empty when pp = 1).
+        experts: the routed-expert parameters when ep > 1 (held by this EP rank only, not FSDP-sharded:
+            their gradients are reduced over the edp group); empty when ep = 1.
+        sharded: FSDP2 shards the other parameters over the S group (``distributed_optimizer``).
     """
 
     model: V4Model
     parts: list[V4Model]
     pipeline: Optional[PipelineParallel] = None
     specs: list[StageSpec] = field(default_factory=list)
+    experts: frozenset = frozenset()
+    sharded: bool = False
 
     @property
     def schedule(self) -> Any:
@@ -85,13 +93,38 @@ class ParallelModel:
     def _all(self) -> list[V4Model]:
         return [self.model] + [p for p in self.parts if p is not self.model]
 
-    def set_cp(self, hooks: ContextParallel) -> None:
-        """Install the curriculum stage's CP hooks on every part (the last step of the seam)."""
+    def set_cp(self, hooks: ContextParallel, dp: Optional[int] = None) -> None:
+        """Install the curriculum stage's CP hooks on every part (the last step of the seam); when sharded,
+        FSDP's gradient divide factor becomes the stage's ``dp`` (S is fixed, dp = S / cp changes)."""
         for m in self._all():
             m.cp = hooks
+        if self.sharded and dp is not None:
+            from .fsdp import set_divide_factor
+
+            set_divide_factor(self.parts, dp)
+
+    def reshard(self) -> None:
+        """Free the gathered parameters of every FSDP part after a forward-only pass (evaluation).
+
+        FSDP keeps the root's parameters (``embed``, ``norm``, ``head``, ``hc_head_*``) gathered after its
+        forward for the backward; without a backward they stay gathered, and the optimizer and the
+        checkpoint (which hold the sharded DTensors) would meet plain tensors. No-op when not sharded."""
+        if self.sharded:
+            for part in self.parts:
+                part.reshard()
 
     def set_phase(self, phase: str) -> None:
-        """``V4Model.set_phase`` once on :attr:`model` (the parts share its blocks), then the parts follow."""
+        """``V4Model.set_phase`` once on :attr:`model` (the parts share its blocks), then the parts follow.
+
+        Raises:
+            RuntimeError: a sharded model leaving "dense" (FSDP's parameter groups are fixed when
+                ``fully_shard`` runs: the indexers would stay unsharded and unreduced). Fix: rebuild
+                with ``parallelize(..., phase=phase)`` and move the state over by FQN, as the job does.
+        """
+        if self.sharded and self.model.phase == "dense" and phase != "dense":
+            raise RuntimeError(f"phase dense -> {phase} on an FSDP-sharded model: the indexers must exist before "
+                               "fully_shard. Fix: rebuild the model with parallelize(..., phase=...) and load the "
+                               "state by FQN.")
         self.model.set_phase(phase)
         for p in self.parts:
             p.phase = phase
@@ -112,34 +145,56 @@ class ParallelModel:
 
 
 def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device,
-                cp: ContextParallel = SINGLE_DEVICE) -> ParallelModel:
+                cp: ContextParallel = SINGLE_DEVICE, phase: Optional[str] = None) -> ParallelModel:
     """Apply ``dims`` to ``model`` for this rank (see the module docstring for the order).
 
     Args:
         model: the single-device model, on ``device``, built identically on every rank.
         dims, groups: sizes and this rank's groups (:class:`ParallelDims`, :class:`ParallelGroups`).
         cp: the first curriculum stage's CP hooks (:meth:`ParallelModel.set_cp` changes them later).
+        phase: move the rank's model to this phase after the pipeline split and before FSDP (the
+            indexers are then built, with the RNG draws of an unsharded ``set_phase`` on the same rank,
+            and sharded with their blocks); None keeps ``model``'s phase.
     Returns: :class:`ParallelModel`. With pp = 1 its ``model`` is ``model`` itself.
     Raises:
-        NotAvailableError: ep > 1 or distributed_optimizer (not in this build).
-        ValueError: a pp_layout the pipeline cannot run (:func:`pipeline.stage_specs`).
+        ValueError: a pp_layout the pipeline cannot run (:func:`pipeline.stage_specs`); E % ep != 0 or an
+            EP group that does not match ``dims.ep`` (:func:`expert.apply_expert_parallel`); FSDP's dp not
+            dividing S or parameters of several dtypes (:func:`fsdp.apply_fsdp`).
     """
     # 1. Expert parallel: prune experts to this EP rank's, install the all-to-all dispatcher.
-    if dims.ep > 1:  # call site: expert.apply_expert_parallel(model, groups.ep, dims.ep, ep_rank)
-        raise NotAvailableError(f"parallel.ep={dims.ep}: expert parallelism is not available in this build. "
-                                "Fix: set parallel.ep=1.")
+    if dims.ep > 1:
+        apply_expert_parallel(model, groups.ep, dims.ep, groups.ep_rank)
     # 2. Pipeline split: keep only this rank's stages.
     if dims.pipelined:
         pm = _split(model, dims, groups, device)
     else:
         pm = ParallelModel(model=model, parts=[model])
-    # 3. FSDP: fully_shard per block, per MTP layer, then per part, over groups.shard.
-    if dims.distributed_optimizer:  # call site: fsdp.apply_fsdp(part, groups.shard, ...) for part in pm.parts
-        raise NotAvailableError("parallel.distributed_optimizer=true: sharded data parallel (FSDP2) is not "
-                                "available in this build. Fix: set parallel.distributed_optimizer=false.")
+    if dims.ep > 1:
+        pm.experts = frozenset(routed_expert_params(pm.parts))
+    if phase is not None and phase != pm.model.phase:
+        pm.set_phase(phase)
+    # 3. FSDP: fully_shard per block, per MTP layer, then per part, over the S group (experts left to EP).
+    if dims.distributed_optimizer:
+        apply_fsdp(pm.parts, shard_mesh(groups.shard, device.type), dp=groups.dp, ignored_params=pm.experts)
+        pm.sharded = True
+        if pm.model is not pm.parts[0]:
+            _adopt_direct_params(pm.model, pm.parts)
     # 4. CP hooks.
     pm.set_cp(cp)
     return pm
+
+
+def _adopt_direct_params(view: V4Model, parts: list[V4Model]) -> None:
+    """Point the rank view's own parameters (``hc_head_*``) at the parts' sharded ones.
+
+    ``fully_shard(part)`` replaces the parameters registered directly on the part by DTensors; the
+    view registers the same names itself (submodules are shared, so their parameters follow), so
+    without this the optimizer and the checkpoint would see the old, unsharded tensors.
+    """
+    for part in parts:
+        for name, param in part.named_parameters(recurse=False):
+            if getattr(view, name, None) is not None:
+                setattr(view, name, param)
 
 
 def _split(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device) -> ParallelModel:

@@ -127,7 +127,9 @@ class AuxGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, aux: torch.Tensor, *outs: torch.Tensor):  # noqa: D102
         ctx.aux_meta = (aux.dtype, aux.device)
-        return tuple(o.view_as(o) for o in outs)
+        # copies, not views: an FSDP-wrapped stage attaches its pre-backward hook to its outputs,
+        # which a later in-place op on a view would drop (one activation copy per micro-batch)
+        return tuple(o.clone() for o in outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # noqa: D102

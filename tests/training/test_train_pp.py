@@ -101,9 +101,13 @@ def test_plan_splits_the_world_into_pipeline_ranks_and_refuses_what_the_schedule
         plans("parallel.pp=2", "parallel.global_batch_size=4")
     with pytest.raises(ContractViolation, match="does not divide the 2 ranks of a pipeline rank"):
         plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.cp=4", "parallel.global_batch_size=4")
-    for field in ("parallel.ep=2", "parallel.distributed_optimizer=true"):  # refused before any rank starts
-        with pytest.raises(ContractViolation, match=f"{field}: the training job does not apply"):
-            plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.global_batch_size=4", field)
+    got = plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.global_batch_size=4", "parallel.ep=2",
+                "parallel.distributed_optimizer=true")
+    assert [(p.pp, p.dp) for p in got] == [(2, 2)] * 3
+    with pytest.raises(ContractViolation, match="parallel.ep=4 does not divide the 2 ranks of a pipeline rank"):
+        plans("parallel.pp=2", "parallel.pp_layout=Et|ttmL", "parallel.global_batch_size=4", "parallel.ep=4")
+    with pytest.raises(ContractViolation, match="parallel.ep=3 does not divide model.moe.n_routed_experts=4"):
+        plans("parallel.ep=3", "cluster.gpus_per_node=3", "parallel.global_batch_size=3", world=3)
 
 
 def test_rank_grid_puts_cp_innermost_and_pp_outermost():

@@ -32,16 +32,9 @@ def proposed_edits(fix: str) -> list[str]:
 
 
 def _job_accepts(path: Path, overrides: list[str]) -> None:
-    """The job's planner accepts the recipe (PP is applied outside the planner: plan the S = world / pp ranks).
-
-    The fixture asks for ep 2 and the distributed optimizer, which the planner refuses until the job
-    wires them (tests/training/test_train_pp.py checks that refusal); they are set aside here so the
-    rule fixes themselves are what is planned."""
+    """The job's planner accepts the recipe as written (pp, ep, distributed optimizer and cp included)."""
     recipe = load_recipe(path, overrides).recipe
-    p = recipe.parallel
-    flat = recipe.model_copy(update={"parallel": p.model_copy(update={"pp": 1, "vpp": 1, "pp_layout": None, "ep": 1,
-                                                                      "distributed_optimizer": False})})
-    plan_curriculum(flat, recipe.cluster.world_size // p.pp)
+    plan_curriculum(recipe, recipe.cluster.world_size)
 
 
 MACHINE_READABLE = sorted(rid for rid, (bad, _) in CASES.items() if RULES[rid].severity == "error")

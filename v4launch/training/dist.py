@@ -121,6 +121,28 @@ def pipeline_group_ranks(world: int, pp: int) -> list[list[int]]:
     return [[p * S + j for p in range(pp)] for j in range(S)]
 
 
+def ep_group_ranks(world: int, ep: int, pp: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    """The EP groups and the expert-data-parallel (edp) groups, both folded over the S ranks of each pipeline rank.
+
+    EP group ``(p, j)``: ranks ``p*S + j*ep .. p*S + j*ep + ep - 1`` (contiguous, as CP: on one node when
+    ep <= GPUs per node); edp group ``(p, i)``: ranks ``p*S + i + j*ep`` for ``j < S/ep``, the ranks that
+    hold the same experts (EP rank ``i``). ``S = world / pp`` is the same in every curriculum stage, so
+    the groups never change when a stage changes cp (validator rule V4-EP-FOLD: ``ep | dp·cp``).
+
+    Returns: ``(ep_groups, edp_groups)``.
+    Raises:
+        ValueError: ``pp`` does not divide ``world`` or ``ep`` does not divide ``S``.
+    """
+    if pp < 1 or world % pp:
+        raise ValueError(f"pp={pp} does not divide the world size {world}")
+    S = world // pp
+    if ep < 1 or S % ep:
+        raise ValueError(f"ep={ep} does not divide the {S} ranks of a pipeline rank (world {world} / pp {pp})")
+    ep_groups = [[p * S + j * ep + i for i in range(ep)] for p in range(pp) for j in range(S // ep)]
+    edp_groups = [[p * S + j * ep + i for j in range(S // ep)] for p in range(pp) for i in range(ep)]
+    return ep_groups, edp_groups
+
+
 def dp_group_ranks(world: int, cp: int) -> list[list[int]]:
     """The DP groups of a stage (ranks with the same CP rank): ``[[d*cp + c for d in range(dp)] for c]``."""
     if cp < 1 or world % cp:
@@ -141,6 +163,9 @@ class Layout:
         pp_rank: this rank's pipeline rank (``rank // S``).
         shard_group: the S group (ranks of this pipeline rank), None = the world (pp = 1).
         pipe_group: the pipeline group (one rank per pipeline rank), None when pp = 1.
+        ep, ep_rank: expert-parallel size and this rank's index in its EP group (``(rank % S) % ep``).
+        ep_group, edp_group: this rank's EP group and the group of ranks holding the same experts
+            (None when ep = 1).
     """
 
     world: int
@@ -153,6 +178,10 @@ class Layout:
     pp_rank: int = 0
     shard_group: Any = None
     pipe_group: Any = None
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None
+    edp_group: Any = None
 
     @property
     def shard_size(self) -> int:
@@ -161,25 +190,27 @@ class Layout:
 
     def describe(self) -> str:
         """``dp 2 x cp 1`` (``pp 2 x dp 1 x cp 1`` under PP; for log lines)."""
-        return describe_layout(self.dp, self.cp, self.pp)
+        return describe_layout(self.dp, self.cp, self.pp, self.ep)
 
 
-def describe_layout(dp: int, cp: int, pp: int = 1) -> str:
-    """``dp 2 x cp 1``: a rank layout in log lines (a live ``Layout`` or one read from a manifest)."""
-    return f"dp {dp} x cp {cp}" if pp == 1 else f"pp {pp} x dp {dp} x cp {cp}"
+def describe_layout(dp: int, cp: int, pp: int = 1, ep: int = 1) -> str:
+    """``dp 2 x cp 1``: a rank layout in log lines (a live ``Layout`` or one read from a manifest);
+    ``pp 2 x dp 2 x cp 1`` under PP, `` x ep 2`` appended under EP."""
+    text = f"dp {dp} x cp {cp}" if pp == 1 else f"pp {pp} x dp {dp} x cp {cp}"
+    return text + (f" x ep {ep}" if ep > 1 else "")
 
 
 class Groups:
     """The process groups of the rank grid, created once on every rank: pipeline and S groups
-    (pp > 1) and the CP groups of every CP size in ``cp_sizes``.
+    (pp > 1), EP and edp groups (ep > 1) and the CP groups of every CP size in ``cp_sizes``.
 
     ``layout(cp)`` returns this rank's :class:`Layout` for a stage with that CP size.
     """
 
-    def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int], pp: int = 1) -> None:
+    def __init__(self, info: DistInfo, cp_sizes: list[int] | set[int], pp: int = 1, ep: int = 1) -> None:
         from ..model.parallel import SINGLE_DEVICE, ContextParallelGroup
 
-        self.info, self.pp = info, pp
+        self.info, self.pp, self.ep = info, pp, ep
         self.shard_size = info.world // pp
         self.pp_rank = info.rank // self.shard_size
         self.pipe_group = self.shard_group = None
@@ -193,6 +224,18 @@ class Groups:
                 group = dist.new_group(ranks)
                 if info.rank in ranks:
                     self.shard_group = group
+        self.ep_rank = (info.rank % self.shard_size) % ep
+        self.ep_group = self.edp_group = None
+        if ep > 1:  # collective, like the groups above
+            ep_groups, edp_groups = ep_group_ranks(info.world, ep, pp)
+            for ranks in ep_groups:
+                group = dist.new_group(ranks)
+                if info.rank in ranks:
+                    self.ep_group = group
+            for ranks in edp_groups:
+                group = dist.new_group(ranks)
+                if info.rank in ranks:
+                    self.edp_group = group
         self._hooks: dict[int, Any] = {1: SINGLE_DEVICE}
         for cp in sorted(set(cp_sizes) - {1}):
             mine = None
@@ -209,7 +252,8 @@ class Groups:
         dp_rank, cp_rank = divmod(self.info.rank % self.shard_size, cp)
         return Layout(world=self.info.world, dp=self.shard_size // cp, cp=cp, dp_rank=dp_rank, cp_rank=cp_rank,
                       hooks=self._hooks[cp], pp=self.pp, pp_rank=self.pp_rank, shard_group=self.shard_group,
-                      pipe_group=self.pipe_group)
+                      pipe_group=self.pipe_group, ep=self.ep, ep_rank=self.ep_rank, ep_group=self.ep_group,
+                      edp_group=self.edp_group)
 
 
 def fill_missing_grads(params: list[torch.Tensor]) -> None:

@@ -81,15 +81,18 @@ class Optimizers:
         cfg: the recipe's ``optimizer`` section.
         muon_ns_dtype: Newton–Schulz dtype of Muon (bfloat16 as ``torch.optim.Muon``; tests use
             float64 to compare layouts exactly).
+        tags: which parameters to take now: ``base`` and/or ``indexer`` (a rebuilt sharded model takes
+            ``base``, loads the old state, then :meth:`add_params` the new indexers, as a phase change does).
     """
 
-    def __init__(self, model: nn.Module, cfg: Any, *, muon_ns_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model: nn.Module, cfg: Any, *, muon_ns_dtype: torch.dtype = torch.bfloat16,
+                 tags: tuple[str, ...] = ("base", "indexer")) -> None:
         self.cfg = cfg
         self.muon_ns_dtype = muon_ns_dtype
         self.muon: torch.optim.Optimizer | None = None
         self.adamw: torch.optim.Optimizer | None = None
-        self.add_params(model, [(n, p) for n, p in model.named_parameters() if _tag(n) == "base"], "base")
-        self.add_params(model, [(n, p) for n, p in model.named_parameters() if _tag(n) == "indexer"], "indexer")
+        for tag in tags:
+            self.add_params(model, [(n, p) for n, p in model.named_parameters() if _tag(n) == tag], tag)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

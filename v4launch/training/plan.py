@@ -71,19 +71,13 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
             does not divide the ranks of a pipeline rank, whose packed sequence does not split into cp slices of
             at least the boundary width; a global batch not divisible by micro_batch · dp; a stage whose
             indexer_loss override the bundled model cannot follow; under PP, fewer micro-batches than the
-            schedule needs; parallel.ep > 1 or parallel.distributed_optimizer (not applied by the job yet).
+            schedule needs; parallel.ep that does not divide the routed experts or the ranks of a pipeline rank.
     """
-    par = recipe.parallel
-    if par.ep > 1 or par.distributed_optimizer:
-        field = f"parallel.ep={par.ep}" if par.ep > 1 else "parallel.distributed_optimizer=true"
-        raise ContractViolation(
-            f"{field}: the training job does not apply expert parallelism or sharded data parallelism yet "
-            "(docs/parallelism.md: both are built and tested at model level, not wired into the seam)",
-            hint="set parallel.ep=1 parallel.distributed_optimizer=false to run now")
     if recipe.parallel.tp != 1:
         raise ContractViolation(f"parallel.tp={recipe.parallel.tp}: the training job runs tp = 1 only",
                                 hint="set parallel.tp=1 (V4 hybrid attention has no TP)")
     pp = _check_pp(recipe, world)
+    _check_ep(recipe, world, pp)
     plans, step = [], 0
     for i, st in enumerate(recipe.curriculum.stages):
         cp = recipe.stage_cp(st)
@@ -111,6 +105,21 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
                                kernel_backend=st.kernel_backend or recipe.attention.kernel_backend, pp=pp))
         step += n
     return plans
+
+
+def _check_ep(recipe: Any, world: int, pp: int) -> None:
+    """EP folds over the S = world / pp ranks of a pipeline rank (V4-EP-FOLD) and splits the experts evenly."""
+    ep, experts = recipe.parallel.ep, recipe.model.moe.n_routed_experts
+    if experts % ep:
+        raise ContractViolation(f"parallel.ep={ep} does not divide model.moe.n_routed_experts={experts}: each EP "
+                                "rank holds n_routed_experts / ep experts",
+                                hint=f"choose parallel.ep from the divisors of {experts}")
+    shard = world // pp
+    if shard % ep:
+        raise ContractViolation(f"parallel.ep={ep} does not divide the {shard} ranks of a pipeline rank (world "
+                                f"{world} / pp {pp}): EP groups fold over dp x cp (rule V4-EP-FOLD)",
+                                hint=f"choose parallel.ep from the divisors of {shard}, or change cluster.nodes / "
+                                     "gpus_per_node / parallel.pp")
 
 
 def _check_pp(recipe: Any, world: int) -> int:

@@ -205,7 +205,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     try:
         report = check_resume(manifest, recipe=recipe, target_stage_index=idx, target_phase=target_phase,
                               parallel_sizes={"world": world, "dp": target.dp, "cp": target.cp, "pp": target.pp,
-                                              "tp": 1, "ep": 1},
+                                              "tp": 1, "ep": recipe.parallel.ep},
                               tokenizer_fingerprint=tokenizer.fingerprint(),
                               param_groups=groups, allow=set(allow), checkpoint_recipe=old)
     except ValueError as exc:

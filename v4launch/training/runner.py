@@ -40,7 +40,7 @@ class Runner:
         par = self.recipe.parallel
         self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
                                  distributed_optimizer=par.distributed_optimizer)
-        self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp)  # collective: every rank, same order
+        self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
         self.args = model_args_from_recipe(self.recipe)
@@ -71,19 +71,26 @@ class Runner:
         return self.plans[-1].end_step
 
     # ------------------------------------------------------------ build / load
-    def _build(self, phase: str) -> None:
-        """The single-device model (same seed on every rank), cut to this rank's part of the layout."""
+    def _build(self, phase: str, *, build_phase: str | None = None, tags: tuple[str, ...] = ("base", "indexer")) -> None:
+        """The single-device model (same seed on every rank), cut to this rank's part of the layout.
+
+        ``build_phase``: build the model in this phase and let the seam move it to ``phase`` before
+        sharding (a sharded model's phase change); ``tags``: the optimizer's parameter tags."""
         chunk = self.recipe.attention.kl_chunk_size
-        full = V4Model(self.args, phase=phase, chunk_size=chunk, cp=self.layout.hooks).to(self.info.device)
+        devices = [self.info.device] if self.info.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=build_phase is not None):  # a rebuild draws nothing
+            full = V4Model(self.args, phase=build_phase or phase, chunk_size=chunk,
+                           cp=self.layout.hooks).to(self.info.device)
         groups = ParallelGroups(pp_rank=self.groups.pp_rank, pipeline=self.groups.pipe_group,
-                                shard=self.groups.shard_group)
+                                shard=self.groups.shard_group, ep_rank=self.groups.ep_rank, ep=self.groups.ep_group,
+                                dp=self.layout.dp)
         try:
-            self.pm = parallelize(full, self.dims, groups, self.info.device, cp=self.layout.hooks)
+            self.pm = parallelize(full, self.dims, groups, self.info.device, cp=self.layout.hooks, phase=phase)
         except (ValueError, NotImplementedError) as exc:
             raise ContractViolation(str(exc).split(" Fix: ")[0], hint=str(exc).partition(" Fix: ")[2] or
                                     "check `v4launch validate`") from None
         self.model = self.pm.model  # this rank's parameters under their single-device names
-        self.opt = Optimizers(self.model, self.recipe.optimizer)
+        self.opt = Optimizers(self.model, self.recipe.optimizer, tags=tags)
         self.progress.phase = phase
 
     def _checkpoint_to_load(self, request: dict | None) -> Path | None:
@@ -135,7 +142,8 @@ class Runner:
             self._saved_loader, manifest=manifest, recipe=self.recipe, dataset=self.dataset, run_dir=self.run.paths.root)
         self.resumed_from = path
         par = manifest.parallel
-        self.saved_layout = (par["dp"], par["cp"], par.get("pp", 1)) if "dp" in par and "cp" in par else None
+        self.saved_layout = (par["dp"], par["cp"], par.get("pp", 1), par.get("ep", 1)) if "dp" in par and "cp" in par \
+            else None
         self.last_saved = (self.progress.step, path)
 
     def _apply_request(self, request: dict | None) -> None:
@@ -151,7 +159,8 @@ class Runner:
         where = f"resumed from {self.resumed_from.name}" if self.resumed_from else "fresh start"
         plan = self.plans[min(p.stage_index, len(self.plans) - 1)]
         self.metrics.event(p.step, "start", f"run {self.run.paths.root.name}: {where} at step {p.step}, stage "
-                           f"{plan.name}, phase {p.phase}, world {self.info.world} ({describe_layout(plan.dp, plan.cp, plan.pp)})",
+                           f"{plan.name}, phase {p.phase}, world {self.info.world} ({describe_layout(plan.dp, plan.cp, plan.pp)}"
+                           f"{self._ep_fsdp_text()})",
                            resumed_from=str(self.resumed_from or ""))
         if self.data_note:
             self.metrics.event(p.step, "data", self.data_note)
@@ -178,17 +187,28 @@ class Runner:
         the first stage after a resume the one the checkpoint was written at."""
         old = self.layout
         self.layout = self.groups.layout(plan.cp)
-        self.pm.set_cp(self.layout.hooks)
-        new = (self.layout.dp, self.layout.cp, self.layout.pp)
+        self.pm.set_cp(self.layout.hooks, dp=self.layout.dp)
+        new = (self.layout.dp, self.layout.cp, self.layout.pp, self.layout.ep)
         after_resume = self.loader is None and self.saved_layout is not None
-        before = self.saved_layout if after_resume else (old.dp, old.cp, old.pp)
+        before = self.saved_layout if after_resume else (old.dp, old.cp, old.pp, old.ep)
         if before != new:
             step = self.progress.step
             was = describe_layout(*before) + (f" (checkpoint {self.resumed_from.name})" if after_resume else "")
             self.metrics.event(step, "layout", f"stage {plan.name}: {was} -> {self.layout.describe()} "
                                f"at step {step} (this rank: dp rank {self.layout.dp_rank}, cp rank "
                                f"{self.layout.cp_rank}{self._pp_rank_text()})", dp=self.layout.dp, cp=self.layout.cp, pp=self.layout.pp,
-                               resharded=after_resume)
+                               ep=self.layout.ep, resharded=after_resume)
+
+    def _ep_fsdp_text(self) -> str:
+        """`` x ep 2 (experts 0-3 of 8 here), FSDP2 over 2 ranks`` for the start line ('' when neither)."""
+        text = ""
+        if self.dims.ep > 1:
+            n = self.args.n_routed_experts // self.dims.ep
+            first = self.groups.ep_rank * n
+            text += f" x ep {self.dims.ep} (experts {first}-{first + n - 1} of {self.args.n_routed_experts} here)"
+        if self.pm.sharded:
+            text += f", FSDP2 over the {self.groups.shard_size} ranks of a pipeline rank"
+        return text
 
     def _pp_rank_text(self) -> str:
         return f", pp rank {self.layout.pp_rank}" if self.layout.pp > 1 else ""
@@ -208,6 +228,8 @@ class Runner:
         order = ("dense", "warmup", "sparse")
         if order.index(phase) < order.index(old):
             self._regress_phase(phase)
+        elif self.pm.sharded and old == "dense":
+            self._rebuild_in_phase(phase)
         else:
             before = {n for n, _ in self.model.named_parameters()}
             self.pm.set_phase(phase)
@@ -219,6 +241,22 @@ class Runner:
         self.progress.transitions.append(f"{old}->{phase}@{step}")
         built = " (indexers built and initialised, added to the optimizer)" if old == "dense" else ""
         self.metrics.event(step, "phase", f"phase {old} -> {phase} at step {step}{built}", old=old, new=phase)
+
+    def _rebuild_in_phase(self, phase: str) -> None:
+        """dense -> warm-up on an FSDP-sharded model: FSDP's parameter groups are fixed by ``fully_shard``,
+        so the model is built again (its own initialisation under a forked RNG, which it then discards),
+        moved to ``phase`` by the seam before sharding (the indexers draw the RNG as an unsharded phase
+        change would), and the model and optimizer state move over by FQN (DTensor to DTensor, same
+        shards); the indexers join the optimizer as new groups, as without sharding."""
+        model_state = ModelState(self.model).state_dict()
+        opt_state = OptimizerState(self.model, self.opt.optimizers).state_dict()
+        old = self.model.phase
+        self.pm = self.model = self.opt = None  # the old shards go once the state dicts are the last holders
+        self._build(phase, build_phase=old, tags=("base",))
+        ModelState(self.model, strict=False).load_state_dict(model_state)
+        OptimizerState(self.model, self.opt.optimizers).load_state_dict(opt_state)
+        self.opt.add_params(self.model, [(n, q) for n, q in self.model.named_parameters() if ".indexer." in n],
+                            "indexer")
 
     def _regress_phase(self, phase: str) -> None:
         """Allowed phase regression (``--allow-phase-regression``): new model without indexers, fresh optimizer."""
@@ -253,7 +291,8 @@ class Runner:
         stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
                            grad_clip=self.recipe.optimizer.grad_clip,
                            bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast,
-                           cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout)
+                           cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout, experts=self.pm.experts,
+                           sharded=self.pm.sharded)
         dt = time.monotonic() - t0
         p = self.progress
         p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \
@@ -272,6 +311,7 @@ class Runner:
         """Held-out evaluation and the stage-end checkpoint."""
         batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
         result = evaluate(self.model, batches, self.info, self.autocast, pipeline=self.pm.pipeline, layout=self.layout)
+        self.pm.reshard()
         if result:
             self.metrics.eval({"kind": "eval", "stage": plan.name, "stage_index": plan.index,
                                "phase": self.model.phase, "step": self.progress.step, **result})
@@ -291,7 +331,7 @@ class Runner:
         manifest = Manifest.for_recipe(
             self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
             parallel_sizes={"world": self.info.world, "dp": plan.dp, "cp": plan.cp, "pp": self.dims.pp, "tp": 1,
-                            "ep": 1},
+                            "ep": self.dims.ep},
             tokenizer_fingerprint=self.dataset.tokenizer, param_groups=groups,
             indexer_layers=csa_layer_ids(self.args.compress_ratios) if self.model.has_indexer else (),
             extra={"step_in_stage": p.step_in_stage, "model_phase": self.model.phase, "run": self.run.paths.root.name,
@@ -308,23 +348,28 @@ class Runner:
     def _param_group_tables(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The optimizer groups of the WHOLE model for the manifest: (describe_params per group, opt.summary).
 
-        Under PP each pipeline rank holds other parameters: the tables of the pipeline group are merged
-        (collective over it), so a manifest reads the same whatever the pp."""
+        Under PP each pipeline rank holds other parameters, under EP each EP rank other experts: the
+        tables of the world are merged (collective), each name once, so a manifest reads the same
+        whatever the layout."""
         names = {id(q): n for n, q in self.model.named_parameters()}
         local = [(g["name"], [(names[id(q)], q.dtype) for q in g["params"]]) for g in self.opt.param_groups]
         summary = self.opt.summary(self.model)
-        if self.layout.pipe_group is not None:
-            named: dict[str, list] = {}
-            merged: dict[str, Any] = {}
-            for rank_local, rank_summary in gather_objects((local, summary), self.layout.pipe_group):
+        if self.info.active and (self.dims.pp > 1 or self.dims.ep > 1):
+            named: dict[str, dict[str, torch.dtype]] = {}
+            kinds: dict[str, str] = {}
+            for rank_local, rank_summary in gather_objects((local, summary), None):
                 for g, pairs in rank_local:
-                    named.setdefault(g, []).extend(pairs)
-                for g, sm in rank_summary.items():
-                    m = merged.setdefault(g, {"optimizer": sm["optimizer"], "dtypes": {}, "n_params": 0, "names": []})
-                    for dt, c in sm["dtypes"].items():
-                        m["dtypes"][dt] = m["dtypes"].get(dt, 0) + c
-                    m["n_params"], m["names"] = m["n_params"] + sm["n_params"], m["names"] + sm["names"]
-            local, summary = list(named.items()), merged
+                    named.setdefault(g, {}).update(pairs)
+                kinds.update({g: sm["optimizer"] for g, sm in rank_summary.items()})
+            local = [(g, sorted(pairs.items())) for g, pairs in named.items()]
+            summary = {}
+            for g, pairs in local:
+                dtypes: dict[str, int] = {}
+                for _, dt in pairs:
+                    key = str(dt).removeprefix("torch.")
+                    dtypes[key] = dtypes.get(key, 0) + 1
+                summary[g] = {"optimizer": kinds[g], "dtypes": dtypes, "n_params": len(pairs),
+                              "names": [n for n, _ in pairs]}
         return {g: describe_params((n, torch.empty(0, dtype=dt, device="meta")) for n, dt in pairs)
                 for g, pairs in local}, summary
 

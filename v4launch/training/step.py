@@ -159,7 +159,8 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
 def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
                weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
                autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1,
-               pipeline: Any = None, layout: Layout | None = None) -> StepStats:
+               pipeline: Any = None, layout: Layout | None = None, experts: frozenset = frozenset(),
+               sharded: bool = False) -> StepStats:
     """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases.
 
     Args:
@@ -171,14 +172,18 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         bias_speed: aux-loss-free router bias speed gamma (expert loads summed over ranks first).
         cp: context-parallel size of the stage (the world holds ``dp = world / cp`` replicas when pp = 1).
         pipeline: this rank's ``PipelineParallel`` (pp > 1; ``model`` is then the rank's parameter view).
-        layout: the stage's rank layout (required with ``pipeline``: its S and pipeline groups).
+        layout: the stage's rank layout (required with ``pipeline``, ``experts`` or ``sharded``: its S,
+            pipeline, EP and edp groups).
+        experts: the routed-expert parameters this EP rank holds (ep > 1): reduced over the edp group.
+        sharded: the other parameters are FSDP2 DTensors whose gradients the backward already reduced.
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
     model.train()
     if pipeline is None:
         sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
-        layout = None
+        if not (experts or sharded):
+            layout = None
     else:
         batches = list(micro_batches)
         if len(batches) != accum:
@@ -189,13 +194,8 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     params = opt.params
     fill_missing_grads(params)
     group = layout.shard_group if layout is not None else None
-    average_grads(params, info, dp=layout.dp if layout is not None else info.world // cp, group=group)
-    max_norm = grad_clip if grad_clip > 0 else math.inf
-    if layout is not None and layout.pipe_group is not None:
-        norm = global_grad_norm(params, layout.pipe_group)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = _reduce_and_clip(params, info, layout, dp=layout.dp if layout is not None else info.world // cp,
+                            max_norm=grad_clip if grad_clip > 0 else math.inf, experts=experts, sharded=sharded)
     opt.step()
     opt.zero_grad()
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
@@ -206,6 +206,33 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     ranks = layout.shard_size if layout is not None else info.world
     stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info, group)["tokens"] * ranks / cp)
     return stats
+
+
+def _reduce_and_clip(params: list[torch.Tensor], info: DistInfo, layout: Layout | None, *, dp: int,
+                     max_norm: float, experts: frozenset, sharded: bool) -> torch.Tensor:
+    """Gradients to ``(1/dp) · Σ_S g`` (docs/parallelism.md "Rank grid"), then the global-norm clip.
+
+    Unsharded parameters: one flat all-reduce over the S group; routed experts under EP: over the
+    edp group (the ranks holding the same experts); FSDP-sharded ones were reduce-scattered by the
+    backward. The norm sums sharded squares over their mesh, expert squares over the EP group and
+    every pipeline rank's share (``data_parallel.clip_grad_norm``). Returns the norm (0-d tensor).
+    """
+    group = layout.shard_group if layout is not None else None
+    if not (experts or sharded):
+        average_grads(params, info, dp=dp, group=group)
+        if layout is not None and layout.pipe_group is not None:
+            norm = global_grad_norm(params, layout.pipe_group)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return norm
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    from ..model.parallel.data_parallel import clip_grad_norm, reduce_gradients
+
+    if not sharded:
+        average_grads([p for p in params if p not in experts], info, dp=dp, group=group)
+    if experts:
+        reduce_gradients([p for p in params if p in experts], layout.edp_group, dp)
+    return clip_grad_norm(params, max_norm, expert_params=experts, ep_group=layout.ep_group if experts else None,
+                          pp_group=layout.pipe_group)
 
 
 @torch.no_grad()

@@ -44,16 +44,15 @@ def test_stages_share_the_models_parameters_under_their_single_device_names():
     assert model.layers[3].attn.wq_a.weight.dtype == torch.float64
 
 
-def test_the_seam_is_the_identity_at_pp_1_and_refuses_features_not_in_this_build():
-    from v4launch.model.parallel.parallelize import NotAvailableError, ParallelDims, ParallelGroups, parallelize
+def test_the_seam_is_the_identity_at_pp_1():
+    from v4launch.model.parallel.parallelize import ParallelDims, ParallelGroups, parallelize
 
     model = V4Model(tiny_args(), "dense")
     pm = parallelize(model, ParallelDims(), ParallelGroups(), torch.device("cpu"))
     assert pm.model is model and pm.parts == [model] and pm.pipeline is None
+    assert not pm.sharded and not pm.experts
     pm.set_phase("warmup")
     assert model.phase == "warmup" and model.has_indexer
-    for dims, field in ((ParallelDims(ep=2), "parallel.ep=2"),
-                        (ParallelDims(distributed_optimizer=True), "parallel.distributed_optimizer=true")):
-        with pytest.raises(NotAvailableError, match="not available in this build") as err:
-            parallelize(V4Model(tiny_args(), "dense"), dims, ParallelGroups(), torch.device("cpu"))
-        assert field in str(err.value) and "Fix:" in str(err.value)
+    other = parallelize(V4Model(tiny_args(), "dense"), ParallelDims(), ParallelGroups(), torch.device("cpu"),
+                        phase="sparse")
+    assert other.model.phase == "sparse" and other.model.has_indexer
