@@ -373,10 +373,20 @@ class Runner:
         return {g: describe_params((n, torch.empty(0, dtype=dt, device="meta")) for n, dt in pairs)
                 for g, pairs in local}, summary
 
+    def _report_peak_memory(self) -> None:
+        """A ``memory`` event with every rank's peak CUDA memory of this job (GiB; one gather; none on CPU)."""
+        if self.info.device.type != "cuda":
+            return
+        peak = torch.cuda.max_memory_allocated(self.info.device) / 2**30
+        peaks = gather_objects(peak, None) if self.info.active else [peak]
+        self.metrics.event(self.progress.step, "memory", "peak GPU memory per rank (GiB): " +
+                           " ".join(f"{x:.2f}" for x in peaks), peak_gib=peaks)
+
     def halt(self, status: str, plan: StagePlan) -> TrainResult:
         """Save (unless this step is already saved) and build the result."""
         path = self.save(plan) if self.progress.step > 0 or self.last_saved else None
         p = self.progress
+        self._report_peak_memory()
         self.metrics.event(p.step, "end", f"{status} at step {p.step} (stage {plan.name}, phase {self.model.phase})",
                            status=status)
         return TrainResult(status=status, stage_index=plan.index, step=p.step, checkpoint=path)
