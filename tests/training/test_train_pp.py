@@ -119,3 +119,28 @@ def test_rank_grid_puts_cp_innermost_and_pp_outermost():
     assert pipeline_group_ranks(4, 4) == [[0, 1, 2, 3]]
     with pytest.raises(ValueError, match="does not divide the 2 ranks of a pipeline rank"):
         cp_group_ranks(4, 4, pp=2)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in __import__("pathlib").Path(__file__).resolve()
+                                        .parents[2].joinpath("recipes").glob("*.yaml")))
+def test_every_shipped_recipe_validates_and_the_job_plans_it_as_written(name):
+    """`validate` clean means the job's planner accepts the recipe at its own world size, pp, ep and
+    distributed optimizer included (nothing flattened), and the seam's layout parses for its model."""
+    from pathlib import Path
+
+    from v4launch.model.parallel.pipeline import stage_specs
+    from v4launch.training.plan import plan_curriculum
+    from v4launch.recipe_loading import load_recipe
+    from v4launch.validators import validate_recipe
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / name
+    loaded = load_recipe(path, [])
+    assert validate_recipe(loaded).ok
+    recipe = loaded.recipe
+    plans = plan_curriculum(recipe, recipe.cluster.world_size)
+    par = recipe.parallel
+    assert all(p.pp == par.pp and p.dp * p.cp * p.pp == recipe.cluster.world_size for p in plans)
+    assert (recipe.cluster.world_size // par.pp) % par.ep == 0
+    if par.pp * par.vpp > 1:
+        m = recipe.model
+        assert len(stage_specs(par.pp_layout, par.pp, par.vpp, m.n_layers, m.mtp.depth)) == par.pp * par.vpp
