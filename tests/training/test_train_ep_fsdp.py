@@ -111,3 +111,14 @@ def test_an_ep2_fsdp_checkpoint_resumes_at_ep1_unsharded(new_run):
     assert abs(a[5]["lm_loss"] - b[5]["lm_loss"]) < 1e-5 * abs(a[5]["lm_loss"])
     assert all(abs(a[s]["lm_loss"] - b[s]["lm_loss"]) < 1e-2 * abs(a[s]["lm_loss"]) for s in range(5, 9))
     assert [(e["ep"], e["dp"], e["resharded"]) for e in _events(run, "layout")][-1] == (1, 2, True)
+
+
+@pytest.mark.slow
+def test_held_out_loss_is_over_the_same_documents_whatever_dp(new_run):
+    """Eight global held-out micro-batches, dealt over the dp replicas: dp 2 evaluates what dp 1 does."""
+    ref = new_run(name="ref")
+    _run_float64(ref, 1)
+    run = new_run({"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2}})
+    _run_float64(run, 2)
+    ea, eb = _evals(ref), _evals(run)
+    assert len(ea) == len(eb) == 3 and max(abs(x - y) for x, y in zip(ea, eb)) < 1e-10

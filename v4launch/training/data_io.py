@@ -92,13 +92,18 @@ def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: La
 
 def eval_batches(dataset: Any, recipe: Any, plan: Any, layout: Layout, device: torch.device, boundary: int,
                  max_batches: int = 8) -> list[Any]:
-    """Up to ``max_batches`` held-out micro-batches of one pass (dataset order; same count on every rank)."""
+    """This rank's share of the first ``max_batches`` held-out micro-batches of one pass (dataset order).
+
+    The count is global: each rank takes ``ceil(max_batches / dp)`` (the loader deals rows round-robin
+    over the dp replicas), so the held-out loss is over the same documents whatever the layout (exactly
+    when dp divides ``max_batches``); every rank holds the same count, so collectives match."""
     if dataset.valid_prefix is None:
         return []
     loader = stage_loader(dataset, recipe, plan, layout, valid=True)
+    mine = -(-max_batches // layout.dp)
     out = []
     for batch in loader.evaluation_batches():
-        if len(out) >= max_batches:
+        if len(out) >= mine:
             break
         out.append(to_device(cp_slice(batch, layout, boundary), device))
     return out
