@@ -45,11 +45,11 @@ def test_dry_run_prints_the_exact_script_and_submits_nothing(ws):
     assert syntax.returncode == 0, syntax.stderr
 
 
-def test_submit_refuses_what_the_job_planner_refuses_before_anything_is_queued(ws):
-    """A recipe that validates but that the job cannot run (ep > 1 today) stops at submit, like run."""
-    out = cli("submit", str(REPO / "recipes" / "flash_debug.yaml"), "--nodes", "1", "parallel.ep=2", "--dry-run", cwd=ws)
+def test_submit_refuses_a_layout_the_job_cannot_run_before_anything_is_queued(ws):
+    """ep 4 over the 2 ranks of a pipeline rank: refused at submit with the rule and the fix, nothing queued."""
+    out = cli("submit", str(REPO / "recipes" / "flash_debug.yaml"), "--nodes", "1", "parallel.ep=4", "--dry-run", cwd=ws)
     assert out.returncode == 1, out.stdout
-    assert "parallel.ep=2: the training job does not apply expert parallelism" in out.stderr
+    assert "V4-EP-FOLD" in out.stderr and "choose parallel.ep dividing dp·cp" in out.stderr
     assert "Traceback" not in out.stderr and not out.stdout and not (ws / "runs").exists()
 
 
