@@ -30,7 +30,7 @@ def check_softmax_scale(ctx: Context):
 
 
 @rule("V4-COMPRESS-ROPE-THETA", fields=("model.rope.compress_rope_theta", "model.init_from_released"), scope="recipe",
-      fix="set model.rope.compress_rope_theta=160000 (every released config), or init_from_released=false")
+      fix="set model.rope.compress_rope_theta=160000 (every released config), or model.init_from_released=false")
 def check_compress_theta(ctx: Context):
     """Starting from released weights, compress_rope_theta must be the released 160000 (40000 is only a dataclass default).
 
