@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .limits import MAX_LIST_ITEMS, MAX_SEED, MAX_STEPS, MAX_TEXT_CHARS, MAX_TOKENS
@@ -43,11 +43,19 @@ class DataConfig(Section):
     source: Literal["python_stdlib", "files"] = Field("python_stdlib", description="python_stdlib: the interpreter's own standard-library sources (on every machine); files: 'paths'.")
     paths: tuple[str, ...] = Field((), max_length=MAX_LIST_ITEMS, description="Text (.txt, any plain file) or .jsonl files / directories when source=files.")
     jsonl_key: str = Field("text", max_length=MAX_TEXT_CHARS, description="Field holding the document text in .jsonl inputs.")
-    tokenizer: Literal["byte"] = Field("byte", description="byte: UTF-8 bytes + end-of-document token (vocab 257+).")
+    tokenizer: Literal["byte"] | Annotated[str, Field(pattern=r"\.json$", max_length=MAX_TEXT_CHARS)] = Field("byte", description="byte: UTF-8 bytes + end-of-document token (vocab 257+); or the path of a Hugging Face tokenizer.json (its tokenizer_config.json names the eos_token that ends each document).")
     prefix: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="Path prefix of a prepared indexed dataset; null = prepare into the workspace cache.")
     max_documents: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Cap on documents taken from the source.")
     validation_fraction: float = Field(0.02, ge=0, lt=1, description="Share of documents held out for evaluation.")
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of the document order, in [0, 2^32 - 1] (numpy's seed range).")
+
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _tokenizer_kind(cls, value: object) -> object:
+        if isinstance(value, str) and value != "byte" and not value.endswith(".json"):
+            raise ValueError(f"data.tokenizer = {value!r} is neither 'byte' nor the path of a Hugging Face "
+                             "tokenizer.json: write byte, or a path ending in .json (e.g. tokenizers/v4/tokenizer.json)")
+        return value
 
 
 class CheckpointConfig(Section):
