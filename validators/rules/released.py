@@ -85,7 +85,7 @@ def check_topk_visible(ctx: Context):
 
 
 @rule("V4-VOCAB", fields=("data.tokenizer", "model.vocab_size"), scope="recipe",
-      fix="set model.vocab_size to the tokenizer's vocabulary or more (byte: 257 = 256 bytes + end-of-document)")
+      fix="set model.vocab_size=257 or more for the byte tokenizer (256 bytes + end-of-document); for a tokenizer.json, its largest id + 1 or more")
 def check_vocab(ctx: Context):
     """The tokenizer's vocabulary fits model.vocab_size (byte: 257; a tokenizer.json: its largest id + 1).
 
