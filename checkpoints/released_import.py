@@ -3,8 +3,10 @@
 On disk (``out``)::
 
     out/
-      .metadata, __0_0.distcp   torch.distributed.checkpoint, one key "model": FQN -> tensor in the
-                                model's dtype (float32 weights, int32 tid2eid), exactly dequantised
+      .metadata, __0_*.distcp   torch.distributed.checkpoint, one key "model": FQN -> tensor in the
+                                model's dtype (float32 weights, int32 tid2eid), exactly dequantised;
+                                one file per tensor (DCP keeps a file's tensors until the file is
+                                closed, so one file per rank would hold the whole model)
       config.json               the source's config.json, unchanged
       released_import.json      what was imported (:class:`ImportRecord`)
 
@@ -13,7 +15,8 @@ Steps: read ``model.safetensors.index.json`` and every shard's header (no tensor
 dtype and shape against the bundled ``V4Model`` built on the meta device (with indexers when the
 source has them), and only then write. The writer dequantises one tensor at a time as DCP asks
 for it (``_ReleasedSavePlanner.resolve_data``), so memory holds one tensor and its scales, never
-the model. Everything goes to ``out.tmp-<pid>`` first and is renamed into place: a failed import
+the model (measured: a 418 MiB source with a 166 MB largest shard imports into 2.3 GiB of float32
+at a peak of 380 MiB above the interpreter's own). Everything goes to ``out.tmp-<pid>`` first and is renamed into place: a failed import
 leaves nothing behind.
 
 Spec: reference/v4-model-spec.md §1 "Parameter dtypes"; the storage table is in
@@ -376,7 +379,7 @@ def import_released(source: Path, out: Path, args: ModelArgs, *, recipe_name: st
     try:
         with warnings.catch_warnings(), unwrap_checkpoint_errors():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({"model": meta}, storage_writer=dcp.FileSystemWriter(str(tmp)),
+            dcp.save({"model": meta}, storage_writer=dcp.FileSystemWriter(str(tmp), single_file_per_rank=False),
                      planner=_ReleasedSavePlanner(plans, reader, args.n_routed_experts), no_dist=True)
         indexers = sorted({int(f.split(".")[1]) + (args.n_layers if f.startswith("mtp.") else 0)
                            for f in plans if ".attn.indexer." in f})
