@@ -223,3 +223,27 @@ def test_init_from_released_refuses_what_it_cannot_load(tmp_path, tiny):
     with pytest.raises(RefusedError) as e:  # another architecture
         load_released_init(V4Model(args.replace(swiglu_limit=7.0), phase="sparse"), tmp_path / "imp")
     assert "swiglu_limit: import 10.0, this run 7.0" in e.value.message
+
+
+def test_import_holds_one_dequantised_tensor_at_a_time(tmp_path, tiny, monkeypatch):
+    """Memory stays bounded by a tensor, not the model: when DCP asks for the next tensor, the ones it
+    already wrote are gone (a file per rank would keep every tensor until the file is closed)."""
+    import weakref
+
+    from v4launch.checkpoints import released_import
+
+    recipe, args = tiny
+    src, _ = _release(tmp_path, args, recipe, 11)
+    alive: list[weakref.ref] = []
+    peak = []
+    real = released_import.materialize
+
+    def tracked(plan, reader, n_experts):
+        peak.append(sum(r() is not None for r in alive))
+        array = real(plan, reader, n_experts).numpy().copy()
+        alive.append(weakref.ref(array))  # the array lives as long as any tensor sharing its memory
+        return torch.from_numpy(array)
+
+    monkeypatch.setattr(released_import, "materialize", tracked)
+    _import(src, tmp_path / "imported", recipe, args)
+    assert len(peak) == len(model_shapes(args)) and max(peak) <= 1
