@@ -339,7 +339,8 @@ def unwrap_checkpoint_errors():
             if isinstance(inner, ReleasedCheckpointError):
                 raise inner from None
         raise ReleasedCheckpointError(f"torch.distributed.checkpoint failed: {str(exc).strip().splitlines()[-1]}",
-                                      hint="check the disk space and permissions of the output directory") from None
+                                      hint="check the checkpoint directory's files (disk space, permissions, "
+                                           "truncated or missing .distcp files)") from None
 
 
 # ------------------------------------------------------------------ the import
