@@ -247,3 +247,33 @@ def test_import_holds_one_dequantised_tensor_at_a_time(tmp_path, tiny, monkeypat
     monkeypatch.setattr(released_import, "materialize", tracked)
     _import(src, tmp_path / "imported", recipe, args)
     assert len(peak) == len(model_shapes(args)) and max(peak) <= 1
+
+
+FLASH_CONFIG = {  # the values of the V4-Flash release's config.json (reference/v4-model-spec.md §1)
+    "architectures": ["DeepseekV4ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0,
+    "eos_token_id": 1, "expert_dtype": "fp4", "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512,
+    "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+    "initializer_range": 0.02, "max_position_embeddings": 1048576, "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 64, "num_experts_per_tok": 6, "num_hidden_layers": 43, "num_hash_layers": 3,
+    "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8, "o_lora_rank": 1024, "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                                     "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16,
+                                            "original_max_position_embeddings": 65536, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+    "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1", "use_cache": True, "vocab_size": 129280, "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
+
+
+def test_the_released_flash_config_matches_the_flash_recipe_and_not_the_pro_one():
+    from v4launch.recipe_loading import load_recipe
+
+    for name, n_diff in (("flash", 0), ("pro", 10)):
+        recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / f"{name}.yaml").recipe
+        problems = compare_with_recipe(FLASH_CONFIG, Path("config.json"), model_args_from_recipe(recipe),
+                                       RECIPE_PATHS, recipe.model.max_position_embeddings)
+        assert len(problems) == n_diff, problems
+    assert "hidden_size: config.json has 4096, the recipe's model.dim = 7168" in problems
