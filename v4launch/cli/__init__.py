@@ -19,13 +19,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import cancel, data, explain, logs, resume, run, status, submit, validate
+    from . import cancel, checkpoint, data, explain, logs, resume, run, status, submit, validate
 
     app.command("validate", help=validate.HELP, epilog=validate.EXAMPLES)(validate.validate)
     app.command("explain", help=explain.HELP, epilog=explain.EXAMPLES)(explain.explain)
     app.command("run", help=run.HELP, epilog=run.EXAMPLES)(run.run)
     app.command("resume", help=resume.HELP, epilog=resume.EXAMPLES)(resume.resume)
     app.add_typer(data.app, name="data", help=data.HELP)
+    app.add_typer(checkpoint.app, name="checkpoint", help=checkpoint.HELP)
     app.command("submit", help=submit.HELP, epilog=submit.EXAMPLES)(submit.submit)
     app.command("status", help=status.HELP, epilog=status.EXAMPLES)(status.status)
     app.command("logs", help=logs.HELP, epilog=logs.EXAMPLES)(logs.logs)

@@ -65,8 +65,13 @@ def prepare(recipe: RecipeArg = None, overrides: OverridesArg = None, out: OutOp
         return
     c = OUT.console
     c.print(f"[bold]{'reused' if ds.reused else 'prepared'}[/bold] {ds.prefix}  ({ds.tokenizer})")
-    c.print(f"  train: {ds.num_documents:,} documents, {ds.num_tokens:,} tokens  →  {ds.train_prefix}.bin/.idx")
-    valid = f"{ds.valid_prefix}.bin/.idx" if ds.valid_prefix else "none held out"
+    for src in getattr(ds, "sources", ()):  # data.source=blend: the existing datasets, read where they are
+        c.print(f"  blend: weight {src['weight']:.4f}  {src['prefix']}  {src['documents']:,} documents, "
+                f"{src['tokens']:,} tokens, largest id {src['max_id']}")
+    where = "the blend's datasets" if getattr(ds, "sources", ()) else f"{ds.train_prefix}.bin/.idx"
+    c.print(f"  train: {ds.num_documents:,} documents, {ds.num_tokens:,} tokens  →  {where}")
+    valid = ("held out from every blend dataset" if getattr(ds, "sources", ()) else f"{ds.valid_prefix}.bin/.idx") \
+        if ds.valid_prefix else "none held out"
     c.print(f"  valid: {ds.num_valid_documents:,} documents, {ds.num_valid_tokens:,} tokens  →  {valid}")
     c.print(f"  skipped empty documents: {ds.skipped_empty:,}")
     c.print(f"  unigram entropy of training tokens: {ds.entropy_bits:.3f} bits/token = {ds.entropy_nats:.3f} nats/token "

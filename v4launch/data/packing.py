@@ -114,31 +114,39 @@ class PackedBatchLoader:
         _positive("dp_rank", dp_rank, 0)
         if dp_rank >= dp_size:
             raise ValueError(f"dp_rank={dp_rank}: must be < dp_size={dp_size}")
-        self.prefix = Path(prefix)
+        self.prefix = Path(prefix) if prefix is not None else None
+        self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
+        self.micro_batch_size, self.pad_id, self.shuffle = int(micro_batch_size), int(pad_id), shuffle
+        self._open()
+        self.num_docs, self.num_tokens = len(self._lengths), int(self._lengths.sum())
+        if self.num_tokens == 0:
+            raise ValueError(f"prefix={self.prefix}: the dataset holds no tokens")
+        self.dataset_key = _dataset_key(self.prefix) if self.prefix is not None else None
+        self._orders: dict[int, np.ndarray] = {}
+        self._cursor: Cursor = (0, 0, 0)
+        self.micro_batches_consumed = 0  # global: all ranks together
+
+    def _open(self) -> None:
+        """Open the documents: ``self._ds`` (``get(doc, offset, length)``) and ``self._lengths`` [num_docs]."""
         missing = [f"{self.prefix}.{ext}" for ext in ("bin", "idx") if not Path(f"{self.prefix}.{ext}").is_file()]
         if missing:
             raise FileNotFoundError(f"prefix={self.prefix}: no indexed dataset ({', '.join(missing)} missing); "
                                     "prepare one with `v4launch data prepare`")
-        self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
-        self.micro_batch_size, self.pad_id, self.shuffle = int(micro_batch_size), int(pad_id), shuffle
         self._ds = megatron_indexed().IndexedDataset(str(self.prefix))
         self._lengths = np.asarray(self._ds.sequence_lengths, dtype=np.int64)
-        self.num_docs, self.num_tokens = len(self._lengths), int(self._lengths.sum())
-        if self.num_tokens == 0:
-            raise ValueError(f"prefix={self.prefix}: the dataset holds no tokens")
-        self.dataset_key = _dataset_key(self.prefix)
-        self._orders: dict[int, np.ndarray] = {}
-        self._cursor: Cursor = (0, 0, 0)
-        self.micro_batches_consumed = 0  # global: all ranks together
 
     # ---- global packer (pure in the cursor) ----
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
             if len(self._orders) > 2:
                 self._orders.pop(min(self._orders))
-            self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
-                                   if self.shuffle else np.arange(self.num_docs))
+            self._orders[epoch] = self._make_order(epoch)
         return self._orders[epoch]
+
+    def _make_order(self, epoch: int) -> np.ndarray:
+        """Document order of ``epoch`` (a shuffle seeded by [seed, epoch], or dataset order)."""
+        return (np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
+                if self.shuffle else np.arange(self.num_docs))
 
     def _pack_row(self, cursor: Cursor) -> tuple[list[Segment], Cursor]:
         """Greedy-fill one row from ``cursor``; return its segments and the cursor after it."""

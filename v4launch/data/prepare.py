@@ -121,6 +121,10 @@ def cache_key(data_cfg: DataConfig, tokenizer: ByteTokenizer) -> str:
     Raises:
         DataError: a path in ``data.paths`` does not exist.
     """
+    if data_cfg.source == "blend":
+        from .blend import blend_key
+
+        return blend_key(data_cfg, tokenizer.fingerprint())
     parts: dict[str, Any] = {
         "format": FORMAT, "source": data_cfg.source, "max_documents": data_cfg.max_documents,
         "validation_fraction": data_cfg.validation_fraction, "tokenizer": tokenizer.fingerprint(),
@@ -250,6 +254,13 @@ def prepare_dataset(data_cfg: DataConfig, tokenizer: ByteTokenizer, out_prefix: 
     """
     key = cache_key(data_cfg, tokenizer)
     explicit = out_prefix if out_prefix is not None else (Path(data_cfg.prefix) if data_cfg.prefix else None)
+    if data_cfg.source == "blend":  # the datasets exist: check them and write the blend's metadata only
+        from .blend import prepare_blend
+
+        meta = Path(explicit).expanduser().absolute() if explicit else default_prefix(workspace or Workspace.current(), key)
+        if Path(f"{meta}.json").is_file() and json.loads(Path(f"{meta}.json").read_text()).get("key") == key:
+            return _reused(meta)
+        return prepare_blend(data_cfg, tokenizer, meta, key)
     if explicit is None:
         workspace = workspace or Workspace.current()
         final = default_prefix(workspace, key)
@@ -285,6 +296,23 @@ def _prepare_at(data_cfg: DataConfig, tokenizer: ByteTokenizer, prefix: Path, ke
             leftover.unlink(missing_ok=True)
 
 
-def _reused(prefix: Path) -> PreparedDataset:
-    ds = PreparedDataset.read(prefix)
-    return PreparedDataset(**{**ds.__dict__, "reused": True})
+def read_dataset(prefix: Path) -> Any:
+    """The dataset described by ``prefix``.json: a ``PreparedDataset``, or a ``blend.BlendDataset``.
+
+    Raises:
+        DataError: as ``PreparedDataset.read``.
+    """
+    try:
+        kind = json.loads(Path(f"{prefix}.json").read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind == "blend":
+        from .blend import BlendDataset
+
+        return BlendDataset.from_dict(json.loads(Path(f"{prefix}.json").read_text()))
+    return PreparedDataset.read(prefix)
+
+
+def _reused(prefix: Path) -> Any:
+    ds = read_dataset(prefix)
+    return type(ds)(**{**ds.__dict__, "reused": True})

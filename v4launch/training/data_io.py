@@ -27,12 +27,12 @@ def prepare_for_run(recipe: Any, meta: dict[str, Any], run_dir: Path, info: Dist
     Raises:
         DataError (a V4LaunchError): unreadable inputs or an empty source.
     """
-    from ..data.prepare import PreparedDataset, prepare_dataset
+    from ..data.prepare import prepare_dataset, read_dataset
     from ..data.tokenizer import get_tokenizer
 
     prefix = (meta.get("extra") or {}).get("data_prefix")
     if prefix and Path(f"{prefix}.json").is_file():
-        return PreparedDataset.read(Path(prefix))
+        return read_dataset(Path(prefix))
     tokenizer = get_tokenizer(recipe.data.tokenizer)
     ws = Workspace.current(start=run_dir)
     ds = None
@@ -49,8 +49,12 @@ def stage_loader(dataset: Any, recipe: Any, plan: Any, layout: Layout, *, valid:
     All stages read one data stream (seed ``data.seed``): the job hands the previous stage's loader
     state to the next stage's loader, which continues with the first token not yet consumed.
     """
+    from ..data.blend import BlendDataset, BlendedBatchLoader
     from ..data.packing import PackedBatchLoader
 
+    if isinstance(dataset, BlendDataset):  # data.source=blend: existing megatron-core datasets sampled by weight
+        return BlendedBatchLoader(dataset, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=layout.dp_rank,
+                                  dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid, valid=valid)
     prefix = dataset.valid_prefix if valid else dataset.train_prefix
     return PackedBatchLoader(prefix, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=layout.dp_rank,
                              dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid)

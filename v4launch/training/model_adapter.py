@@ -13,16 +13,39 @@ from ..errors import ContractViolation
 from ..model import ModelArgs
 
 
+RECIPE_PATHS: dict[str, str] = {
+    "vocab_size": "model.vocab_size", "dim": "model.dim", "n_layers": "model.n_layers",
+    "n_mtp_layers": "model.mtp.depth", "compress_ratios": "model.compress_ratios", "n_heads": "model.n_heads",
+    "head_dim": "model.head_dim", "rope_head_dim": "model.rope_head_dim", "q_lora_rank": "model.q_lora_rank",
+    "o_groups": "model.o_groups", "o_lora_rank": "model.o_lora_rank", "window_size": "model.window_size",
+    "index_n_heads": "model.indexer.n_heads", "index_head_dim": "model.indexer.head_dim",
+    "index_topk": "model.indexer.topk", "use_hadamard": "model.indexer.hadamard",
+    "rope_theta": "model.rope.rope_theta", "compress_rope_theta": "model.rope.compress_rope_theta",
+    "rope_factor": "model.rope.yarn.factor", "original_seq_len": "model.rope.yarn.original_seq_len",
+    "beta_fast": "model.rope.yarn.beta_fast", "beta_slow": "model.rope.yarn.beta_slow",
+    "n_routed_experts": "model.moe.n_routed_experts", "n_activated_experts": "model.moe.n_activated_experts",
+    "n_shared_experts": "model.moe.n_shared_experts", "moe_inter_dim": "model.moe.moe_inter_dim",
+    "route_scale": "model.moe.route_scale", "n_hash_layers": "model.moe.n_hash_layers",
+    "swiglu_limit": "model.moe.swiglu_limit", "hc_mult": "model.mhc.hc_mult",
+    "hc_sinkhorn_iters": "model.mhc.sinkhorn_iters", "hc_eps": "model.mhc.eps", "norm_eps": "model.norm_eps",
+    "init_std": "model.init_std", "seed": "run.seed",
+}
+"""``ModelArgs`` field -> the recipe path it comes from: the one mapping table (also used to name the
+recipe field in a released ``config.json`` mismatch)."""
+
+
+def _lookup(recipe: Any, path: str) -> Any:
+    value = recipe
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def model_args_from_recipe(recipe: Any) -> ModelArgs:
     """Build the model's ``ModelArgs`` from a validated ``Recipe``.
 
-    Mapping (recipe path -> ModelArgs field): model.* of the same name; model.mtp.depth ->
-    n_mtp_layers; model.indexer.{n_heads, head_dim, topk, hadamard} -> index_n_heads,
-    index_head_dim, index_topk, use_hadamard; model.rope.{rope_theta, compress_rope_theta};
-    model.rope.yarn.{factor, original_seq_len, beta_fast, beta_slow} -> rope_factor,
-    original_seq_len, beta_fast, beta_slow; model.moe.* of the same name; model.mhc.{hc_mult,
-    sinkhorn_iters, eps} -> hc_mult, hc_sinkhorn_iters, hc_eps; run.seed -> seed (hash table
-    and indexer init).
+    Mapping: :data:`RECIPE_PATHS` (ModelArgs field -> recipe path; run.seed seeds the hash
+    table and the indexer init).
 
     Raises:
         ContractViolation: a recipe value the bundled model cannot honour (a custom
@@ -34,22 +57,8 @@ def model_args_from_recipe(recipe: Any) -> ModelArgs:
             f"model.rope.softmax_scale={m.rope.softmax_scale}: the bundled model always uses head_dim**-0.5 "
             f"= {m.head_dim ** -0.5:.6g} (no YaRN mscale, seed 004 item 1)",
             hint="remove model.rope.softmax_scale from the recipe")
-    y = m.rope.yarn
-    fields = dict(
-        vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_mtp_layers=m.mtp.depth,
-        compress_ratios=tuple(m.compress_ratios), n_heads=m.n_heads, head_dim=m.head_dim,
-        rope_head_dim=m.rope_head_dim, q_lora_rank=m.q_lora_rank, o_groups=m.o_groups,
-        o_lora_rank=m.o_lora_rank, window_size=m.window_size,
-        index_n_heads=m.indexer.n_heads, index_head_dim=m.indexer.head_dim, index_topk=m.indexer.topk,
-        use_hadamard=m.indexer.hadamard,
-        rope_theta=m.rope.rope_theta, compress_rope_theta=m.rope.compress_rope_theta, rope_factor=y.factor,
-        original_seq_len=y.original_seq_len, beta_fast=y.beta_fast, beta_slow=y.beta_slow,
-        n_routed_experts=m.moe.n_routed_experts, n_activated_experts=m.moe.n_activated_experts,
-        n_shared_experts=m.moe.n_shared_experts, moe_inter_dim=m.moe.moe_inter_dim, route_scale=m.moe.route_scale,
-        n_hash_layers=m.moe.n_hash_layers, swiglu_limit=m.moe.swiglu_limit,
-        hc_mult=m.mhc.hc_mult, hc_sinkhorn_iters=m.mhc.sinkhorn_iters, hc_eps=m.mhc.eps,
-        norm_eps=m.norm_eps, init_std=m.init_std, seed=recipe.run.seed,
-    )
+    fields = {name: _lookup(recipe, path) for name, path in RECIPE_PATHS.items()}
+    fields["compress_ratios"] = tuple(fields["compress_ratios"])
     try:
         return ModelArgs(**fields)
     except ValueError as exc:

@@ -24,6 +24,7 @@ from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_ob
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
+from .released_init import load_released_init
 from .result import TrainResult
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
                     set_rng_state, stage_seed)
@@ -61,6 +62,8 @@ class Runner:
         if ckpt is None:
             seed_everything(self.recipe.run.seed)
             self._build(self.plans[0].phase)
+            if self.recipe.model.init_from_released:  # released weights imported by `v4launch checkpoint import`
+                load_released_init(self.model, self.recipe.model.init_from_released)
         else:
             self._load(ckpt)
             self._apply_request(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from ..derived import CSA_RATIO, visible_compressed_entries
 from ..schema.model import RELEASED_COMPRESS_ROPE_THETA
@@ -10,6 +11,17 @@ from .base import Context, rule
 
 TOKENIZER_VOCAB = {"byte": 257}
 """Tokens each tokenizer emits: byte = 256 byte values + end-of-document."""
+
+
+def tokenizer_json_vocab(path: str) -> int | None:
+    """Largest id + 1 of a Hugging Face tokenizer.json (added tokens included); None when the file is not here
+    or unreadable (the data preparation then says why)."""
+    try:
+        from tokenizers import Tokenizer
+
+        return max(Tokenizer.from_file(str(Path(path).expanduser())).get_vocab(with_added_tokens=True).values()) + 1
+    except Exception:  # missing or unreadable file: not this rule's finding
+        return None
 
 
 @rule("V4-SOFTMAX-SCALE", fields=("model.rope.softmax_scale", "model.head_dim"), scope="recipe",
@@ -30,7 +42,7 @@ def check_softmax_scale(ctx: Context):
 
 
 @rule("V4-COMPRESS-ROPE-THETA", fields=("model.rope.compress_rope_theta", "model.init_from_released"), scope="recipe",
-      fix="set model.rope.compress_rope_theta=160000 (every released config), or init_from_released=false")
+      fix="set model.rope.compress_rope_theta=160000 (every released config), or model.init_from_released=false")
 def check_compress_theta(ctx: Context):
     """Starting from released weights, compress_rope_theta must be the released 160000 (40000 is only a dataclass default).
 
@@ -73,14 +85,16 @@ def check_topk_visible(ctx: Context):
 
 
 @rule("V4-VOCAB", fields=("data.tokenizer", "model.vocab_size"), scope="recipe",
-      fix="set model.vocab_size=257 or more (the byte tokenizer's vocabulary: 256 bytes + end-of-document)")
+      fix="set model.vocab_size=257 or more for the byte tokenizer (256 bytes + end-of-document); for a tokenizer.json, its largest id + 1 or more")
 def check_vocab(ctx: Context):
-    """The tokenizer's vocabulary fits model.vocab_size (byte tokenizer: 256 bytes + end-of-document = 257).
+    """The tokenizer's vocabulary fits model.vocab_size (byte: 257; a tokenizer.json: its largest id + 1).
 
     Source: v4launch data pipeline (data.tokenizer); an id ≥ vocab_size indexes past the embedding.
     """
     tok = ctx.recipe.data.tokenizer
-    need = TOKENIZER_VOCAB[tok]
+    need = TOKENIZER_VOCAB.get(tok) or tokenizer_json_vocab(tok)
+    if need is None:
+        return ctx.na(f"{tok} is not on this machine: checked when the data are prepared")
     if ctx.model.vocab_size < need:
         return ctx.finding("model.vocab_size", ctx.model.vocab_size, f"vocab_size {ctx.model.vocab_size} < {need} tokens of the {tok} tokenizer")
     return ctx.ok("model.vocab_size", ctx.model.vocab_size, f"≥ {need}")

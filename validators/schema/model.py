@@ -8,9 +8,9 @@ reader can diff a recipe against ``config.json``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, computed_field, model_validator
+from pydantic import Field, computed_field, field_validator, model_validator
 
 from .base import Section
 from .limits import (
@@ -22,6 +22,7 @@ from .limits import (
     MAX_ROPE_THETA,
     MAX_SEQ_LEN,
     MAX_SHARED_EXPERTS,
+    MAX_TEXT_CHARS,
     MAX_VOCAB,
     MAX_WIDTH,
 )
@@ -121,12 +122,20 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-6, gt=0, le=1, description="RMSNorm epsilon.")
     max_position_embeddings: int = Field(1048576, ge=1, le=MAX_SEQ_LEN, description="Longest sequence the model is configured for (tokens); at most 2^24 like a stage's seq_len.")
     init_std: float = Field(0.02, gt=0, le=1, description="Std of the normal init of projection weights.")
-    init_from_released: bool = Field(False, description="True when training starts from released weights; then released constants (compress_rope_theta) are checked.")
+    init_from_released: Literal[False] | Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)] = Field(False, description="false: start from a fresh initialisation; a path: start from the released weights imported there by `v4launch checkpoint import` (then released constants such as compress_rope_theta are checked).")
     rope: RopeConfig = Field(default_factory=RopeConfig, description="RoPE/YaRN per layer type.")
     indexer: IndexerConfig = Field(default_factory=IndexerConfig, description="Lightning indexer of CSA layers.")
     moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture of experts.")
     mhc: MHCConfig = Field(default_factory=MHCConfig, description="mHC residual streams.")
     mtp: MTPConfig = Field(default_factory=MTPConfig, description="Multi-token prediction.")
+
+    @field_validator("init_from_released", mode="before")
+    @classmethod
+    def _released_path(cls, value: object) -> object:
+        if value is True:
+            raise ValueError("model.init_from_released takes the directory `v4launch checkpoint import` wrote "
+                             "(e.g. imported/flash), or false for a fresh start; true names no weights")
+        return value
 
     @computed_field  # type: ignore[prop-decorator]
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Section
 from .limits import MAX_LIST_ITEMS, MAX_SEED, MAX_STEPS, MAX_TEXT_CHARS, MAX_TOKENS
@@ -37,17 +37,41 @@ class OptimizerConfig(Section):
         return self
 
 
+class BlendSource(Section):
+    """One megatron-core dataset of a blend (Megatron-LM ``--data-path WEIGHT PREFIX``)."""
+
+    weight: float = Field(..., gt=0, le=1e6, description="Relative sampling weight (normalised over the blend).")
+    prefix: str = Field(..., min_length=1, max_length=MAX_TEXT_CHARS, description="Path prefix of an existing megatron-core indexed dataset (PREFIX.bin / PREFIX.idx).")
+
+
 class DataConfig(Section):
     """Training text → megatron-core indexed dataset (.bin/.idx) → packed THD micro-batches."""
 
-    source: Literal["python_stdlib", "files"] = Field("python_stdlib", description="python_stdlib: the interpreter's own standard-library sources (on every machine); files: 'paths'.")
+    source: Literal["python_stdlib", "files", "blend"] = Field("python_stdlib", description="python_stdlib: the interpreter's own standard-library sources (on every machine); files: 'paths'; blend: the existing megatron-core datasets of 'blend'.")
     paths: tuple[str, ...] = Field((), max_length=MAX_LIST_ITEMS, description="Text (.txt, any plain file) or .jsonl files / directories when source=files.")
     jsonl_key: str = Field("text", max_length=MAX_TEXT_CHARS, description="Field holding the document text in .jsonl inputs.")
-    tokenizer: Literal["byte"] = Field("byte", description="byte: UTF-8 bytes + end-of-document token (vocab 257+).")
+    blend: tuple[BlendSource, ...] = Field((), max_length=MAX_LIST_ITEMS, description="source=blend: [{weight, prefix}, ...] existing megatron-core datasets sampled by weight (Megatron-LM --data-path w1 p1 w2 p2).")
+    tokenizer: Literal["byte"] | Annotated[str, Field(pattern=r"\.json$", max_length=MAX_TEXT_CHARS)] = Field("byte", description="byte: UTF-8 bytes + end-of-document token (vocab 257+); or the path of a Hugging Face tokenizer.json (its tokenizer_config.json names the eos_token that ends each document).")
     prefix: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="Path prefix of a prepared indexed dataset; null = prepare into the workspace cache.")
     max_documents: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Cap on documents taken from the source.")
     validation_fraction: float = Field(0.02, ge=0, lt=1, description="Share of documents held out for evaluation.")
     seed: int = Field(1234, ge=0, le=MAX_SEED, description="Seed of the document order, in [0, 2^32 - 1] (numpy's seed range).")
+
+    @model_validator(mode="after")
+    def _blend_with_source(self) -> "DataConfig":
+        if (self.source == "blend") != bool(self.blend):
+            raise ValueError("data.blend lists the datasets of data.source=blend and only then: set data.source=blend "
+                             "and give data.blend: [{weight: W, prefix: P}, ...], or leave data.blend out"
+                             f" (now data.source={self.source}, {len(self.blend)} blend entries)")
+        return self
+
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _tokenizer_kind(cls, value: object) -> object:
+        if isinstance(value, str) and value != "byte" and not value.endswith(".json"):
+            raise ValueError(f"data.tokenizer = {value!r} is neither 'byte' nor the path of a Hugging Face "
+                             "tokenizer.json: write byte, or a path ending in .json (e.g. tokenizers/v4/tokenizer.json)")
+        return value
 
 
 class CheckpointConfig(Section):
