@@ -25,6 +25,7 @@ from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
 from .released_init import load_released_init
+from .released_init import load_released_init
 from .result import TrainResult
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
                     set_rng_state, stage_seed)
@@ -59,9 +60,12 @@ class Runner:
         self.pm: ParallelModel | None = None
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
+        self.init_note: str | None = None  # what model.init_from_released loaded (logged at start)
         if ckpt is None:
             seed_everything(self.recipe.run.seed)
             self._build(self.plans[0].phase)
+            if self.recipe.model.init_from_released:
+                self.init_note = load_released_init(self.model, self.recipe.model.init_from_released)
             if self.recipe.model.init_from_released:  # released weights imported by `v4launch checkpoint import`
                 load_released_init(self.model, self.recipe.model.init_from_released)
         else:
@@ -167,6 +171,8 @@ class Runner:
                            resumed_from=str(self.resumed_from or ""))
         if self.data_note:
             self.metrics.event(p.step, "data", self.data_note)
+        if self.init_note:
+            self.metrics.event(p.step, "init", self.init_note)
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""
