@@ -25,7 +25,6 @@ from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum
 from .released_init import load_released_init
-from .released_init import load_released_init
 from .result import TrainResult
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
                     set_rng_state, stage_seed)
@@ -56,7 +55,7 @@ class Runner:
         self.loader_stage = -1
         self.last_saved: tuple[int, Path] | None = None
         self.resumed_from: Path | None = None
-        self.saved_layout: tuple[int, int, int] | None = None  # (dp, cp, pp) the loaded checkpoint was written at
+        self.saved_layout: tuple[int, int, int, int] | None = None  # (dp, cp, pp, ep) of the loaded checkpoint
         self.pm: ParallelModel | None = None
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
@@ -64,10 +63,8 @@ class Runner:
         if ckpt is None:
             seed_everything(self.recipe.run.seed)
             self._build(self.plans[0].phase)
-            if self.recipe.model.init_from_released:
-                self.init_note = load_released_init(self.model, self.recipe.model.init_from_released)
             if self.recipe.model.init_from_released:  # released weights imported by `v4launch checkpoint import`
-                load_released_init(self.model, self.recipe.model.init_from_released)
+                self.init_note = load_released_init(self.model, self.recipe.model.init_from_released)
         else:
             self._load(ckpt)
             self._apply_request(request)
