@@ -96,6 +96,14 @@ class MemoryPlan:
     def fits(self) -> bool | None:
         return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
 
+    def to_dict(self) -> dict:
+        """JSON form (bytes): stage, rank, rows, in flight, every term, total, allocated, budget, fits."""
+        return {"stage": self.stage_name, "pp_rank": self.pp_rank, "rows": self.rows, "in_flight": self.in_flight,
+                "terms": [{"key": t.key, "label": t.label, "bytes": t.bytes, "dtype": t.dtype, "detail": t.detail}
+                          for t in self.terms],
+                "total_bytes": self.total_bytes, "allocated_bytes": self.allocated_bytes,
+                "budget_bytes": self.budget_bytes, "fits": self.fits}
+
     def term(self, key: str) -> MemoryTerm:
         return next(t for t in self.terms if t.key == key)
 
@@ -387,6 +395,9 @@ def rank_plans(recipe: Recipe, stage_index: int) -> list[MemoryPlan]:
     return [_rank_plan(recipe, stage_index, r, stages, s) for r in range(recipe.parallel.pp)]
 
 
+_PLAN_CACHE: dict[tuple[int, int], tuple[Recipe, MemoryPlan]] = {}
+
+
 def memory_plan(recipe: Recipe, stage_index: int) -> MemoryPlan:
     """The plan of the pipeline rank that needs the most memory in curriculum stage ``stage_index``.
 
@@ -397,4 +408,12 @@ def memory_plan(recipe: Recipe, stage_index: int) -> MemoryPlan:
     Raises:
         PlanUnavailable: invalid layout or parallel sizes. IndexError: no such stage.
     """
-    return max(rank_plans(recipe, stage_index), key=lambda plan: plan.total_bytes)
+    key = (id(recipe), stage_index)
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None and hit[0] is recipe:  # the rule and the report's figures plan the same stage
+        return hit[1]
+    if len(_PLAN_CACHE) > 64:
+        _PLAN_CACHE.clear()
+    plan = max(rank_plans(recipe, stage_index), key=lambda p: p.total_bytes)
+    _PLAN_CACHE[key] = (recipe, plan)
+    return plan
