@@ -44,7 +44,13 @@ layer adds enorm / hnorm / e_proj / h_proj (16d + 8·hc·d + a·d + a·hc·d) an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from . import derived
 from .schema.model import ModelConfig
+
+KERNEL_DS_CAP_BYTES = 2 * (1 << 30)
+"""The fused attention backward's dS buffer is capped at 2 GiB per query chunk (docs/kernels.md)."""
 
 RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act", "shared_experts", "moe")
 """``parallel.recompute_modules`` names whose regions this model recomputes (core_attn and mlp are refused)."""
@@ -117,3 +123,63 @@ def embed_bytes_per_token(m: ModelConfig, act: int) -> float:
 def mtp_embeddings_bytes_per_token(m: ModelConfig) -> float:
     """The MTP embeddings [depth, T, d] fp32, computed with E and carried to the MTP layers."""
     return 4.0 * m.mtp.depth * m.dim
+
+
+@dataclass(frozen=True)
+class StageSetting:
+    """The stage-effective settings the per-layer figures read (built by ``memory_plan``): rows per rank, seq_len,
+    cp, the S = dp·cp ranks, micro-batches per step, activation bytes, kernel path, top-k, phase, recompute, chunk."""
+
+    rows: int
+    seq_len: int
+    cp: int
+    shard: int
+    accum: int
+    act: int
+    kernels: bool
+    topk: int
+    phase: str
+    recompute: frozenset
+    chunk: int
+
+
+def attention_workspace(m, ratio: int, s: StageSetting) -> float:
+    """Peak transient of one layer's attention backward: the kernel's dS buffer (capped), or on the
+    reference path one recomputed query chunk: fp32 logits / probabilities / their gradients
+    [R, H, W + n] and the gathered keys [R, n, D] with their gradient (n = the entries a chunk reads)."""
+    if ratio == 0:
+        n = 0
+    elif ratio == 128:
+        n = s.seq_len // 128
+    else:
+        n = s.seq_len // 4 if s.phase == "dense" else s.topk
+    H, W = m.n_heads, m.window_size
+    if s.kernels:
+        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4))
+    r = min(s.chunk, s.rows)
+    teacher = 4 * r * H * (s.seq_len // 4) if (ratio == 4 and s.phase == "warmup") else 0
+    return float(16 * r * H * (W + n) + 8 * r * n * m.head_dim * (ratio == 4) + teacher)
+
+
+def backward_working_set(m, s: StageSetting) -> float:
+    """Gradients alive while one layer runs its backward: of the streams (two [hc, d]) and of the widest
+    intermediate, the query / output pair [H·D] of the attention or the fp32 SwiGLU of the K routed slots."""
+    e = m.moe
+    widest = max(2 * s.act * m.n_heads * m.head_dim, 12 * e.n_activated_experts * e.moe_inter_dim)
+    return float(s.rows * (widest + 2 * s.act * m.mhc.hc_mult * m.dim))
+
+
+def compressed_bytes(m, ratio: int, s: StageSetting, with_indexer: bool) -> float:
+    """Compressed entries one layer holds for a micro-batch: the (CP-gathered, fixed-capacity) buffer of
+    main KV and indexer keys, the copy the core reads (bf16 in ``kv_all``, fp32 on the reference path),
+    and under CP the extended input (boundary rows + local rows) with its boundary KV."""
+    a, d, D = s.act, m.dim, m.head_dim
+    out = 0.0
+    if ratio:
+        width = D + (m.indexer.head_dim if with_indexer else 0)
+        entries = s.cp * derived.cp_capacity_rows(s.rows, ratio) if s.cp > 1 else s.rows // ratio
+        out += entries * width * a + entries * D * (a if s.kernels else 4)
+    if s.cp > 1:
+        b = derived.boundary_width(m.window_size, m.compress_ratios)
+        out += (s.rows + b) * a * d + b * (8 * D + a * D)
+    return out

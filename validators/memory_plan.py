@@ -30,7 +30,8 @@ from math import ceil
 
 from . import derived
 from .layout import LayoutSyntaxError, parse_layout, structure_problems
-from .memory_activations import (embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
+from .memory_activations import (StageSetting, attention_workspace, backward_working_set, compressed_bytes,
+                                 embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
                                  mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
 from .param_count import ParamSpec, model_buffers, model_params
 from .schema.cluster import GPU_MEMORY_GIB
@@ -41,8 +42,6 @@ HEADROOM_FIXED_BYTES = 2 * GIB
 """CUDA context, cuBLAS / Triton workspaces and NCCL buffers: memory torch's allocator does not report."""
 FRAGMENTATION = 0.05
 """Share of the allocated bytes the caching allocator loses to fragmentation (reserved minus allocated)."""
-KERNEL_DS_CAP_BYTES = 2 * GIB
-"""The fused attention backward's dS buffer is capped at 2 GiB per query chunk (docs/kernels.md)."""
 LOGIT_CHUNK_ELEMENTS = 1 << 28
 """Logits per chunk of the fused head + cross entropy (model/loss.py ``LOGIT_CHUNK_ELEMENTS``)."""
 
@@ -214,31 +213,14 @@ def _gemm_weight(s: ParamSpec) -> bool:
     return s.optimizer == "muon" or s.name.endswith(("gate.weight", "head.weight")) or leaf.endswith("_fn")
 
 
-@dataclass(frozen=True)
-class _Setting:
-    """The stage-effective settings the plan reads."""
-
-    rows: int
-    seq_len: int
-    cp: int
-    shard: int
-    accum: int
-    act: int
-    kernels: bool
-    topk: int
-    phase: str
-    recompute: frozenset
-    chunk: int
-
-
-def _setting(recipe: Recipe, index: int) -> _Setting:
+def _setting(recipe: Recipe, index: int) -> StageSetting:
     st = recipe.curriculum.stages[index]
     p = recipe.parallel
     cp, dp = recipe.stage_cp(st), recipe.stage_dp(st)
     if dp is None or st.seq_len % cp:
         raise PlanUnavailable("the stage's dp or its cp slices are undefined (V4-WORLD-SIZE, V4-CP-DIVISIBLE)")
     backend = st.kernel_backend or recipe.attention.kernel_backend
-    return _Setting(rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
+    return StageSetting(rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
                     accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
                     act=2 if recipe.precision.dtype == "bf16" else 4,
                     kernels=backend == "triton" and recipe.cluster.sm == 90,
@@ -246,50 +228,8 @@ def _setting(recipe: Recipe, index: int) -> _Setting:
                     recompute=frozenset(p.recompute_modules), chunk=recipe.attention.kl_chunk_size)
 
 
-def _attention_workspace(m, ratio: int, s: _Setting) -> float:
-    """Peak transient of one layer's attention backward: the kernel's dS buffer (capped), or on the
-    reference path one recomputed query chunk: fp32 logits / probabilities / their gradients
-    [R, H, W + n] and the gathered keys [R, n, D] with their gradient (n = the entries a chunk reads)."""
-    if ratio == 0:
-        n = 0
-    elif ratio == 128:
-        n = s.seq_len // 128
-    else:
-        n = s.seq_len // 4 if s.phase == "dense" else s.topk
-    H, W = m.n_heads, m.window_size
-    if s.kernels:
-        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4))
-    r = min(s.chunk, s.rows)
-    teacher = 4 * r * H * (s.seq_len // 4) if (ratio == 4 and s.phase == "warmup") else 0
-    return float(16 * r * H * (W + n) + 8 * r * n * m.head_dim * (ratio == 4) + teacher)
-
-
-def _backward_working_set(m, s: _Setting) -> float:
-    """Gradients alive while one layer runs its backward: of the streams (two [hc, d]) and of the widest
-    intermediate, the query / output pair [H·D] of the attention or the fp32 SwiGLU of the K routed slots."""
-    e = m.moe
-    widest = max(2 * s.act * m.n_heads * m.head_dim, 12 * e.n_activated_experts * e.moe_inter_dim)
-    return float(s.rows * (widest + 2 * s.act * m.mhc.hc_mult * m.dim))
-
-
-def _compressed_bytes(m, ratio: int, s: _Setting, with_indexer: bool) -> float:
-    """Compressed entries one layer holds for a micro-batch: the (CP-gathered, fixed-capacity) buffer of
-    main KV and indexer keys, the copy the core reads (bf16 in ``kv_all``, fp32 on the reference path),
-    and under CP the extended input (boundary rows + local rows) with its boundary KV."""
-    a, d, D = s.act, m.dim, m.head_dim
-    out = 0.0
-    if ratio:
-        width = D + (m.indexer.head_dim if with_indexer else 0)
-        entries = s.cp * derived.cp_capacity_rows(s.rows, ratio) if s.cp > 1 else s.rows // ratio
-        out += entries * width * a + entries * D * (a if s.kernels else 4)
-    if s.cp > 1:
-        b = derived.boundary_width(m.window_size, m.compress_ratios)
-        out += (s.rows + b) * a * d + b * (8 * D + a * D)
-    return out
-
-
 def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embeddings: bool,
-                params: list[ParamSpec], ep: int, s: _Setting) -> _StageCost:
+                params: list[ParamSpec], ep: int, s: StageSetting) -> _StageCost:
     """Per-micro-batch bytes of one virtual stage (activations by layer, compressed KV, top-k, loss)."""
     c = _StageCost()
     for layer in layers:
@@ -301,9 +241,9 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
             own += mtp_extra_bytes_per_token(m, s.act) * s.rows
         c.activations += own
         c.topk += per["top-k"] * s.rows
-        c.cp += _compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
-        c.backward_set = max(c.backward_set, _backward_working_set(m, s))
-        c.attention_workspace = max(c.attention_workspace, _attention_workspace(m, ratio, s))
+        c.cp += compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
+        c.backward_set = max(c.backward_set, backward_working_set(m, s))
+        c.attention_workspace = max(c.attention_workspace, attention_workspace(m, ratio, s))
     if "E" in symbols:
         c.activations += embed_bytes_per_token(m, s.act) * s.rows
     if carries_mtp_embeddings:
@@ -322,7 +262,7 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
     return c
 
 
-def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: _Setting) -> MemoryPlan:
+def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
     m, p = recipe.model, recipe.parallel
     by_place, buffers = _specs_by_place(m, s.phase)
     layer_ids = _stage_layers(stages, m.n_layers)

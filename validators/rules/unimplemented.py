@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from .base import Context, rule
 
-SOURCE_NOTE = "validators/field_coverage.py (no reader in v4launch/training, v4launch/data, slurm or checkpoints)"
-
 
 @rule("V4-UNIMPL-RECOMPUTE", fields=("parallel.recompute_modules", "parallel.recompute_granularity"), scope="recipe",
       fix="set parallel.recompute_modules=[] and parallel.recompute_granularity=none")
