@@ -134,12 +134,25 @@ def _pp_changes(recipe: Recipe, index: int, world: int, base: dict[str, Any]) ->
 
 
 def _combined(recipe: Recipe, index: int, nodes: int) -> dict[str, Any] | None:
-    """The largest cp for the stage, the largest ep and the distributed optimizer together."""
+    """The largest cp for the stage, the largest ep and the distributed optimizer together; on more nodes
+    the global batches grow with the node count where a stage's dp would no longer divide them."""
     changes = _single_changes(recipe, index, nodes)
-    merged: dict[str, Any] = {}
+    merged: dict[str, Any] = {} if nodes == recipe.cluster.nodes else {"cluster.nodes": nodes}
     for edits in changes:  # later (larger) values of the same key win: cp and ep are tried in increasing order
         if "parallel.pp" not in edits:
             merged.update(edits)
+    if nodes != recipe.cluster.nodes:
+        p = recipe.parallel
+        shard = nodes * recipe.cluster.gpus_per_node // (p.tp * p.pp)
+        cps = [merged.get(f"curriculum.stages.{i}.cp", recipe.stage_cp(st)) for i, st in enumerate(recipe.curriculum.stages)]
+        if not _batches_ok(recipe, p.pp, shard, cps):
+            k = nodes // recipe.cluster.nodes
+            merged["parallel.global_batch_size"] = p.global_batch_size * k
+            for i, st in enumerate(recipe.curriculum.stages):
+                if st.global_batch_size is not None:
+                    merged[f"curriculum.stages.{i}.global_batch_size"] = st.global_batch_size * k
+            if not _batches_ok(with_edits(recipe, merged), p.pp, shard, cps):
+                return None
     return merged or None
 
 
@@ -167,8 +180,8 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> tuple[list[Prop
             return [Proposal(combined, plan)], None
     scale = 2
     while scale <= MAX_NODE_SCALE:
-        combined = _combined(recipe, index, recipe.cluster.nodes * scale) or {"cluster.nodes": recipe.cluster.nodes * scale}
-        plan = _plan(recipe, index, combined)
+        combined = _combined(recipe, index, recipe.cluster.nodes * scale)
+        plan = _plan(recipe, index, combined) if combined else None
         if plan is not None and plan.fits:
             return [], Proposal(combined, plan)
         scale *= 2

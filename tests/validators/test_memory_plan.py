@@ -17,6 +17,7 @@ from math import ceil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from validate_helpers import RECIPES, invoke, validate_file
 from v4launch.recipe_loading import load_recipe
@@ -100,10 +101,10 @@ def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
     assert re.search(r"needs [\d.]+ GiB per GPU > 141\.0 GiB", v.message)
     assert len(re.findall(r"\b[a-z][a-z +0-9-]* [\d.]+ GiB", v.message.split("largest:")[1])) == 3
     assert "parameters" in v.message and "optimizer states" in v.message  # the experts alone do not fit
-    edits = dict(e.split("=") for e in re.search(r"set (.*) \(", v.fix).group(1).split())
-    assert int(edits["cluster.nodes"]) > 1
+    edits = dict(e.split("=") for e in re.match(r"set (.*?) \(", v.fix).group(1).split())
+    assert int(edits["cluster.nodes"]) > 1 and "nothing fits on the recipe's 1 node" in v.fix
     recipe = load_recipe(RECIPES / "flash_4n.yaml", over).recipe
-    fixed = with_edits(recipe, {k: int(x) for k, x in edits.items()})
+    fixed = with_edits(recipe, {k: yaml.safe_load(x) for k, x in edits.items()})
     assert memory_plan(fixed, 0).fits
 
 

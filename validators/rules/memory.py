@@ -35,8 +35,8 @@ def check_memory(ctx: Context):
     if found:
         fix = "set " + ", or ".join(p.text() for p in found)
     elif more_nodes is not None:
-        fix = (f"no pp, cp, ep or distributed_optimizer setting fits on {ctx.recipe.cluster.nodes} node(s); "
-               f"set {more_nodes.text()}")
+        fix = (f"set {more_nodes.text()}: nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s) "
+               "(pp, cp, ep and the distributed optimizer tried)")
     else:
         fix = (f"no pp, cp, ep, distributed_optimizer or node count up to 64x fits {_gib(budget)}: shorten "
                f"curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
