@@ -85,7 +85,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-UNIMPL-RECOMPUTE": (["parallel.recompute_modules=[mla_up_proj]"], []),
     "V4-UNIMPL-OFFLOAD": (["parallel.offload_modules=[core_attn]"], []),
     "V4-UNIMPL-FP8": (["precision.fp8_recipe=blockwise"], []),
-    "V4-UNIMPL-RELEASED-INIT": (["model.init_from_released=true"], []),
     "V4-UNIMPL-INDEXER-QAT": (["attention.indexer_qat=true"], []),
     "V4-UNIMPL-EVAL-INTERVAL": (["logging.eval_interval_steps=100"], []),
     "V4-UNIMPL-BSHD": (["parallel.qkv_format=bshd", "curriculum.stages.3.cp=1"], []),
@@ -95,7 +94,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 
 UNIMPLEMENTED_PREFIX = "V4-UNIMPL-"
 """Rules that refuse a setting the job does not implement. A contract rule's fixture may need such a
-setting (FP8 on SM90, recompute module names, released weights): that refusal fires beside it and is
+setting (FP8 on SM90, recompute module names, indexer QAT): that refusal fires beside it and is
 left out when the contract rule's own outcome is checked."""
 
 

@@ -57,19 +57,6 @@ def check_fp8_unimplemented(ctx: Context):
     return ctx.ok("precision.fp8_recipe", fp8)
 
 
-@rule("V4-UNIMPL-RELEASED-INIT", fields=("model.init_from_released",), scope="recipe",
-      fix="set model.init_from_released=false")
-def check_released_init_unimplemented(ctx: Context):
-    """Starting from the released DeepSeek-V4 weights (model.init_from_released) is not implemented by the bundled job.
-
-    Source: validators/field_coverage.py (the job initialises every run from run.seed; no released-weight loader).
-    """
-    if ctx.model.init_from_released:
-        return ctx.finding("model.init_from_released", True, "model.init_from_released=true: the bundled job cannot "
-                           "load released weights; it would train from a fresh initialisation (run.seed)")
-    return ctx.ok("model.init_from_released", False)
-
-
 @rule("V4-UNIMPL-INDEXER-QAT", fields=("attention.indexer_qat", "precision.policy.indexer_qk"), scope="recipe",
       fix="set attention.indexer_qat=false and precision.policy.indexer_qk=bf16")
 def check_indexer_qat_unimplemented(ctx: Context):
