@@ -220,12 +220,12 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
     if dp is None or st.seq_len % cp:
         raise PlanUnavailable("the stage's dp or its cp slices are undefined (V4-WORLD-SIZE, V4-CP-DIVISIBLE)")
     backend = st.kernel_backend or recipe.attention.kernel_backend
-    return StageSetting(rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
-                    accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
-                    act=2 if recipe.precision.dtype == "bf16" else 4,
-                    kernels=backend == "triton" and recipe.cluster.sm == 90,
-                    topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
-                    recompute=frozenset(p.recompute_modules), chunk=recipe.attention.kl_chunk_size)
+    return StageSetting(
+        rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
+        accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
+        act=2 if recipe.precision.dtype == "bf16" else 4, kernels=backend == "triton" and recipe.cluster.sm == 90,
+        topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
+        recompute=frozenset(p.recompute_modules), chunk=recipe.attention.kl_chunk_size)
 
 
 def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embeddings: bool,
@@ -248,15 +248,14 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
         c.activations += embed_bytes_per_token(m, s.act) * s.rows
     if carries_mtp_embeddings:
         c.activations += mtp_embeddings_bytes_per_token(m) * s.rows
-    if "L" in symbols or any(layer >= m.n_layers for layer in layers):
-        heads = ("L" in symbols) + sum(layer >= m.n_layers for layer in layers)
+    if "L" in symbols or any(layer >= m.n_layers for layer in layers):  # a head runs here (main or MTP)
         c.loss += ("L" in symbols) * head_bytes_per_token(m, s.act) * s.rows
         chunk = min(s.rows, max(1, LOGIT_CHUNK_ELEMENTS // m.vocab_size))
         # backward of one head: the chunk's recomputed fp32 logits, softmax and bf16 gradient (10 B per
         # logit), the fp32 weight-gradient accumulator [V, d], and the gradients of the rows through
         # the final norm and hc_head (fp32 streams)
         c.loss_transient = (10.0 * chunk * m.vocab_size + 4.0 * m.vocab_size * m.dim
-                            + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim)) * min(heads, 1)
+                            + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim))
     if s.act == 2:
         c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params if _gemm_weight(p))
     return c
