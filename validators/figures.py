@@ -7,6 +7,7 @@ from typing import Any
 from . import derived
 from .cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
 from .layout import LayoutSyntaxError, parse_layout, structure_problems
+from .memory_plan import PlanUnavailable, memory_plan
 from .schema.curriculum import Stage
 from .schema.recipe import Recipe
 
@@ -32,8 +33,17 @@ def _pipeline(recipe: Recipe, stage: Stage) -> dict[str, Any]:
     return out
 
 
+def _memory(recipe: Recipe, stage: Stage) -> dict[str, Any] | None:
+    """The stage's memory plan (``memory_plan.MemoryPlan.to_dict``), None when no plan can be made."""
+    index = next(i for i, s in enumerate(recipe.curriculum.stages) if s is stage)
+    try:
+        return memory_plan(recipe, index).to_dict()
+    except PlanUnavailable:
+        return None
+
+
 def stage_figures(recipe: Recipe, stage: Stage) -> dict[str, Any]:
-    """Local rows, boundary width, compressed all-gather bytes, top-k padding and PP costs of ``stage``.
+    """Local rows, boundary width, compressed all-gather bytes, top-k padding, PP costs and the memory plan of ``stage``.
 
     All-gather bytes are the gathered compressed state each CP rank holds per layer (0 at CP=1:
     there is no all-gather); dense stages gather no indexer keys.
@@ -63,4 +73,5 @@ def stage_figures(recipe: Recipe, stage: Stage) -> dict[str, Any]:
         "topk_alignment": derived.topk_alignment(sm),
         "topk_padding_waste": derived.topk_padding_waste(m.indexer.topk, sm) if indexer and derived.CSA_RATIO in ratios else 0,
         **_pipeline(recipe, stage),
+        "memory": _memory(recipe, stage),
     }

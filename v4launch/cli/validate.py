@@ -140,7 +140,40 @@ def _stage_lines(stage: StageResult) -> Text:
     if d["pp_balance"] is not None:
         costs = "/".join(f"{c:.1f}" for c in d["pp_stage_gflop_per_token"])
         parts.append(f"PP GFLOP/token {costs} (max/mean {d['pp_balance']:.3f})")
+    mem = d.get("memory")
+    if mem and mem["budget_bytes"]:
+        parts.append(f"memory {_gib(mem['total_bytes'])} of {_gib(mem['budget_bytes'])} GiB per GPU (pp rank "
+                     f"{mem['pp_rank']})")
     return head + Text("\n  " + " · ".join(parts), style="dim")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _memory_table(report: Report) -> Table | None:
+    """The memory plan of every stage, one column per stage (GiB per GPU, the rank that needs the most)."""
+    plans = [(s.name, s.derived.get("memory")) for s in report.stages]
+    plans = [(name, m) for name, m in plans if m]
+    if not plans:
+        return None
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    table.add_column("GiB per GPU")
+    table.add_column("dtype", style="dim")
+    for name, _ in plans:
+        table.add_column(name, justify="right")
+    for i, term in enumerate(plans[0][1]["terms"]):
+        table.add_row(term["label"], term["dtype"], *(_gib(m["terms"][i]["bytes"]) for _, m in plans))
+    cells = []
+    for _, m in plans:
+        fits = m["fits"]
+        style = "dim" if fits is None else "green" if fits else "bold red"
+        cells.append(Text(_gib(m["total_bytes"]) + ("" if fits is None else " ok" if fits else " over"), style=style))
+    table.add_row(Text("total", style="bold"), "", *cells)
+    budget = [(_gib(m["budget_bytes"]) if m["budget_bytes"] else "-") for _, m in plans]
+    table.add_row("budget", "", *budget)
+    table.add_row("pp rank · in flight", "", *(f"{m['pp_rank']} · {m['in_flight']}" for _, m in plans), style="dim")
+    return table
 
 
 def render(report: Report, recipe: Any) -> None:
@@ -163,12 +196,19 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
     con.print(f"[bold]{report.recipe}[/bold] ({shown}) · {c.nodes}×{c.gpus_per_node} {c.gpu}"
               f"{f' (SM{c.sm})' if c.sm else ''} · world {c.world_size} · tp{p.tp} pp{p.pp} vpp{p.vpp} ep{p.ep}"
               f"{f' · layout {p.pp_layout}' if p.pp_layout else ''}")
+    if recipe.description:
+        con.print(Text(recipe.description, style="dim"))
     con.print("\n[bold]recipe-wide rules[/bold]")
     _block(con, report.recipe_results)
     for stage in report.stages:
         con.print()
         con.print(_stage_lines(stage))
         _block(con, stage.results)
+    table = _memory_table(report)
+    if table is not None:
+        con.print("\n[bold]memory plan[/bold] (per GPU, on the pipeline rank that needs the most; "
+                  "`v4launch explain V4-MEMORY`)")
+        con.print(table)
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
     con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "

@@ -1,0 +1,358 @@
+"""Per-rank GPU memory plan of one curriculum stage, as the bundled job lays the model out (pure Python).
+
+``memory_plan(recipe, stage_index) -> MemoryPlan`` gives the bytes of every term on the pipeline rank that
+needs the most, so a benchmark can set ``MemoryPlan.allocated_bytes`` beside
+``torch.cuda.max_memory_allocated()`` term by term. docs/memory-plan.md explains each term; the rule
+``V4-MEMORY`` (rules/memory.py) compares ``total_bytes`` with ``cluster.gpu_memory_gib``.
+
+How the job holds the model (what the terms follow):
+
+* storage: every parameter is fp32, bf16 only in compute (autocast; ``v4launch/training/step.py``), so
+  parameters and gradients are 4 B per element; Muon keeps one fp32 momentum (4 B), AdamW two fp32
+  moments (8 B) (``training/optim.py``, ``training/muon.py``);
+* pipeline: a rank holds the modules of its virtual stages of ``parallel.pp_layout``
+  (``model/parallel/pipeline.py``: E = embedding, t = decoder layer, m = MTP layer, L = norm, head, hc_head);
+* experts: each MoE layer keeps ``E / ep`` routed experts per rank (``model/parallel/expert.py``), never
+  FSDP-sharded; with ``distributed_optimizer`` every other parameter, its gradient and optimizer state are
+  sharded over the S = dp · cp ranks of the pipeline rank (FSDP2, ``model/parallel/fsdp.py``), and one
+  decoder block at a time is gathered unsharded (two with prefetch, plus its unsharded gradient);
+* bf16 weight copies: ``matmul.project`` / ``F.linear`` cast each weight to bf16 per forward and keep the
+  copy for backward, and the grouped expert GEMM stacks bf16 copies of the local experts: 2 B per
+  parameter of the stage, per micro-batch in flight;
+* micro-batches in flight: 1 without a pipeline; ``min(pp - rank, accum)`` under 1F1B; the warm-up
+  forwards of torch's interleaved 1F1B (``(vpp-1)·per_round + 2·(pp-1-rank)``, then one more) with vpp > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil
+
+from . import derived
+from .layout import LayoutSyntaxError, parse_layout, structure_problems
+from .memory_activations import (StageSetting, attention_workspace, backward_working_set, compressed_bytes,
+                                 embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
+                                 mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
+from .param_count import ParamSpec, model_buffers, model_params
+from .schema.cluster import GPU_MEMORY_GIB
+from .schema.recipe import Recipe
+
+GIB = 1 << 30
+HEADROOM_FIXED_BYTES = 2 * GIB
+"""CUDA context, cuBLAS / Triton workspaces and NCCL buffers: memory torch's allocator does not report."""
+FRAGMENTATION = 0.05
+"""Share of the allocated bytes the caching allocator loses to fragmentation (reserved minus allocated)."""
+LOGIT_CHUNK_ELEMENTS = 1 << 28
+"""Logits per chunk of the fused head + cross entropy (model/loss.py ``LOGIT_CHUNK_ELEMENTS``)."""
+
+
+class PlanUnavailable(ValueError):
+    """The recipe gives no plan (an unparseable or invalid layout, DP undefined); another rule reports why."""
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """One term of the plan: ``key`` (stable id), bytes on this rank, dtype and how it was counted."""
+
+    key: str
+    label: str
+    bytes: int
+    dtype: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The memory of one pipeline rank in one curriculum stage.
+
+    Attributes:
+        stage_index, stage_name: the curriculum stage. pp_rank: the pipeline rank planned.
+        rows: tokens per micro-batch on this rank (micro_batch_size · seq_len / cp).
+        in_flight: micro-batch forwards held for backward (per virtual stage op under interleaving).
+        terms: every term (bytes). budget_bytes: the GPU's memory (None for a CPU target without
+            ``cluster.gpu_memory_gib``). ``headroom`` is the one term torch's allocator does not see.
+    """
+
+    stage_index: int
+    stage_name: str
+    pp_rank: int
+    rows: int
+    in_flight: int
+    terms: tuple[MemoryTerm, ...]
+    budget_bytes: int | None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What ``torch.cuda.max_memory_allocated`` should read: the total without the headroom term."""
+        return sum(t.bytes for t in self.terms if t.key != "headroom")
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_bytes is None else self.total_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        """JSON form (bytes): stage, rank, rows, in flight, every term, total, allocated, budget, fits."""
+        return {"stage": self.stage_name, "pp_rank": self.pp_rank, "rows": self.rows, "in_flight": self.in_flight,
+                "terms": [{"key": t.key, "label": t.label, "bytes": t.bytes, "dtype": t.dtype, "detail": t.detail}
+                          for t in self.terms],
+                "total_bytes": self.total_bytes, "allocated_bytes": self.allocated_bytes,
+                "budget_bytes": self.budget_bytes, "fits": self.fits}
+
+    def term(self, key: str) -> MemoryTerm:
+        return next(t for t in self.terms if t.key == key)
+
+    def largest(self, n: int = 3, without: tuple[str, ...] = ()) -> list[MemoryTerm]:
+        """The ``n`` largest terms (keys in ``without`` left out), largest first."""
+        return sorted((t for t in self.terms if t.key not in without), key=lambda t: -t.bytes)[:n]
+
+
+def budget_bytes(recipe: Recipe) -> int | None:
+    """``cluster.gpu_memory_gib`` or the GPU model's catalogue value, in bytes; None for a CPU target
+    without an explicit ``cluster.gpu_memory_gib``."""
+    c = recipe.cluster
+    gib = c.gpu_memory_gib if c.gpu_memory_gib is not None else GPU_MEMORY_GIB[c.gpu]
+    return int(gib * GIB) if gib else None
+
+
+def virtual_stages(recipe: Recipe) -> list[tuple[str, ...]]:
+    """Symbols of each virtual stage (one stage with everything when pp · vpp = 1).
+
+    Raises: PlanUnavailable for a layout that does not parse or does not fit the model (V4-PP-LAYOUT*)."""
+    p, m = recipe.parallel, recipe.model
+    if p.pp * p.vpp == 1 and p.pp_layout is None:
+        return [("E",) + ("t",) * m.n_layers + ("m",) * m.mtp.depth + ("L",)]
+    if p.pp_layout is None:
+        raise PlanUnavailable("parallel.pp_layout is required when pp·vpp > 1 (V4-PP-LAYOUT)")
+    try:
+        layout = parse_layout(p.pp_layout)
+    except LayoutSyntaxError as exc:
+        raise PlanUnavailable(f"parallel.pp_layout does not parse ({exc})") from None
+    if structure_problems(layout, p.pp, p.vpp, m.n_layers, m.mtp.depth):
+        raise PlanUnavailable("parallel.pp_layout does not fit the model (V4-PP-LAYOUT)")
+    return list(layout.stages)
+
+
+def in_flight_ops(pp: int, vpp: int, rank: int, accum: int) -> list[int]:
+    """Local virtual-stage index of every forward this rank holds for backward at its first backward.
+
+    pp = 1: one micro-batch. vpp = 1 (Schedule1F1B): min(pp - rank, accum). vpp > 1
+    (ScheduleInterleaved1F1B, torch.distributed.pipelining.schedules ``_get_warmup_ops``): the warm-up
+    forwards plus one, in rounds of ``accum // max(1, accum // pp)`` micro-batches per local stage.
+    """
+    if pp == 1:
+        return [0] * vpp
+    if vpp == 1:
+        return [0] * max(1, min(pp - rank, accum))
+    per_round = accum // max(1, accum // pp)
+    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - rank), accum * vpp)
+    return [(j // per_round) % vpp for j in range(min(warmup + 1, accum * vpp))]
+
+
+@dataclass
+class _StageCost:
+    """Per-micro-batch bytes of one virtual stage on this rank."""
+
+    activations: float = 0.0
+    topk: float = 0.0
+    cp: float = 0.0
+    loss: float = 0.0
+    weight_copies: float = 0.0
+    backward_set: float = 0.0
+    attention_workspace: float = 0.0
+    loss_transient: float = 0.0
+
+
+def _stage_layers(stages: list[tuple[str, ...]], n_layers: int) -> list[list[int]]:
+    """Decoder and MTP layer ids of each virtual stage (MTP layer k is n_layers + k)."""
+    out, t, k = [], 0, 0
+    for symbols in stages:
+        ids = []
+        for s in symbols:
+            if s == "t":
+                ids.append(t)
+                t += 1
+            elif s == "m":
+                ids.append(n_layers + k)
+                k += 1
+        out.append(ids)
+    return out
+
+
+_SPECS_CACHE: dict[tuple[int, str], tuple] = {}
+
+
+def _specs_by_place(m, phase: str) -> tuple[dict, dict]:
+    """Parameters and buffer bytes keyed by (holder, layer): ("E", None), ("L", None), ("t", id) (MTP
+    layers included). Cached per model section object and phase (a validate run plans each stage and
+    its proposed fixes with the same model)."""
+    key = (id(m), phase)
+    hit = _SPECS_CACHE.get(key)
+    if hit is not None and hit[0] is m:
+        return hit[1], hit[2]
+    if len(_SPECS_CACHE) > 16:
+        _SPECS_CACHE.clear()
+    params: dict[tuple, list[ParamSpec]] = {}
+    for s in model_params(m, phase):
+        params.setdefault((s.holder if s.layer is None else "t", s.layer), []).append(s)
+    buffers: dict[tuple, int] = {}
+    for b in model_buffers(m):
+        buffers[("t", b.layer)] = buffers.get(("t", b.layer), 0) + b.numel * b.itemsize
+    _SPECS_CACHE[key] = (m, params, buffers)
+    return params, buffers
+
+
+def _gemm_weight(s: ParamSpec) -> bool:
+    """Cast to bf16 for a GEMM and kept for backward: every matrix (Muon's, the router gate, the head, the
+    mHC projections ``hc_*_fn``); not the embedding table (a lookup), norms, biases, ape or sinks."""
+    leaf = s.name.rsplit(".", 1)[-1]
+    return s.optimizer == "muon" or s.name.endswith(("gate.weight", "head.weight")) or leaf.endswith("_fn")
+
+
+def _setting(recipe: Recipe, index: int) -> StageSetting:
+    st = recipe.curriculum.stages[index]
+    p = recipe.parallel
+    cp, dp = recipe.stage_cp(st), recipe.stage_dp(st)
+    if dp is None or st.seq_len % cp:
+        raise PlanUnavailable("the stage's dp or its cp slices are undefined (V4-WORLD-SIZE, V4-CP-DIVISIBLE)")
+    backend = st.kernel_backend or recipe.attention.kernel_backend
+    return StageSetting(
+        rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
+        accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
+        act=2 if recipe.precision.dtype == "bf16" else 4, kernels=backend == "triton" and recipe.cluster.sm == 90,
+        topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
+        recompute=frozenset(p.recompute_modules), chunk=recipe.attention.kl_chunk_size)
+
+
+def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embeddings: bool,
+                params: list[ParamSpec], ep: int, s: StageSetting) -> _StageCost:
+    """Per-micro-batch bytes of one virtual stage (activations by layer, compressed KV, top-k, loss)."""
+    c = _StageCost()
+    for layer in layers:
+        ratio = m.compress_ratios[layer] if layer < len(m.compress_ratios) else 0
+        per = layer_bytes_per_token(m, ratio, s.phase, kernels=s.kernels, act=s.act, topk=s.topk,
+                                    recompute=s.recompute)
+        own = sum(v for k, v in per.items() if k != "top-k") * s.rows
+        if layer >= m.n_layers:
+            own += mtp_extra_bytes_per_token(m, s.act) * s.rows
+        c.activations += own
+        c.topk += per["top-k"] * s.rows
+        c.cp += compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
+        c.backward_set = max(c.backward_set, backward_working_set(m, s))
+        c.attention_workspace = max(c.attention_workspace, attention_workspace(m, ratio, s))
+    if "E" in symbols:
+        c.activations += embed_bytes_per_token(m, s.act) * s.rows
+    if carries_mtp_embeddings:
+        c.activations += mtp_embeddings_bytes_per_token(m) * s.rows
+    if "L" in symbols or any(layer >= m.n_layers for layer in layers):  # a head runs here (main or MTP)
+        c.loss += ("L" in symbols) * head_bytes_per_token(m, s.act) * s.rows
+        chunk = min(s.rows, max(1, LOGIT_CHUNK_ELEMENTS // m.vocab_size))
+        # backward of one head: the chunk's recomputed fp32 logits, softmax and bf16 gradient (10 B per
+        # logit), the fp32 weight-gradient accumulator [V, d], and the gradients of the rows through
+        # the final norm and hc_head (fp32 streams)
+        c.loss_transient = (10.0 * chunk * m.vocab_size + 4.0 * m.vocab_size * m.dim
+                            + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim))
+    if s.act == 2:
+        c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params if _gemm_weight(p))
+    return c
+
+
+def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
+    m, p = recipe.model, recipe.parallel
+    by_place, buffers = _specs_by_place(m, s.phase)
+    layer_ids = _stage_layers(stages, m.n_layers)
+    e_at = next(i for i, st in enumerate(stages) if "E" in st)
+    m_at = next((i for i, ids in enumerate(layer_ids) if any(x >= m.n_layers for x in ids)), e_at)
+    local = [i for i in range(len(stages)) if i % p.pp == rank]
+    costs, rank_params, rank_buffers, blocks = {}, [], 0, [0]
+    for i in local:
+        params = [sp for key in ([("E", None)] if "E" in stages[i] else []) + [("L", None)] * ("L" in stages[i])
+                  + [("t", x) for x in layer_ids[i]] for sp in by_place.get(key, [])]
+        rank_params += params
+        rank_buffers += sum(buffers.get(("t", x), 0) for x in layer_ids[i])
+        blocks += [sum(sp.numel for sp in by_place.get(("t", x), []) if not sp.routed) for x in layer_ids[i]]
+        costs[i] = _stage_cost(m, stages[i], layer_ids[i], bool(m.mtp.depth) and e_at <= i <= m_at, params, p.ep, s)
+    ops = [local[j] for j in in_flight_ops(p.pp, p.vpp, rank, s.accum) if j < len(local)] or local[:1]
+    shard = s.shard if p.distributed_optimizer else 1
+    dense = [sp for sp in rank_params if not sp.routed]
+    routed = sum(sp.numel for sp in rank_params if sp.routed) // p.ep
+    n_dense = ceil(sum(sp.numel for sp in dense) / shard)
+    muon_name = recipe.optimizer.name == "muon_adamw"
+    muon = ceil(sum(sp.numel for sp in dense if sp.optimizer == "muon" and muon_name) / shard)
+    adamw = n_dense - muon
+    muon_routed = routed if muon_name else 0
+    opt = 4 * (muon + muon_routed) + 8 * (adamw + routed - muon_routed)
+    root = sum(sp.numel for sp in dense if sp.layer is None)
+    fsdp = 12 * max(max(blocks), root) if p.distributed_optimizer and shard > 1 else 0
+    ws = max((costs[i].backward_set + costs[i].attention_workspace for i in local), default=0.0)
+    ce = max((costs[i].loss_transient for i in local), default=0.0)
+    sum_ops = lambda attr: int(sum(getattr(costs[i], attr) for i in ops))  # noqa: E731
+    gib = lambda n: f"{n / 1e9:.2f}B"  # noqa: E731
+    sharded = f" / {shard} (FSDP)" if shard > 1 else ""
+    saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss"))
+    grads_at_peak, grads_note = 4 * (n_dense + routed), "as the parameters, kept across micro-batches"
+    if p.pp == 1 and s.accum == 1:  # zeroed (None) every step: allocated while backward frees activations
+        grads_at_peak = max(0, grads_at_peak - saved)
+        grads_note = "one micro-batch per step: allocated as backward frees activations (beyond them)"
+    terms = [
+        MemoryTerm("parameters", "parameters", 4 * (n_dense + routed) + rank_buffers, "fp32",
+                   f"{gib(sum(sp.numel for sp in dense))} dense{sharded} + {gib(routed)} experts (E/ep)"),
+        MemoryTerm("gradients", "gradients", grads_at_peak, "fp32", grads_note),
+        MemoryTerm("optimizer", "optimizer states", opt, "fp32",
+                   f"Muon momentum {gib(muon + muon_routed)}, AdamW moments {gib(adamw + routed - muon_routed)}"),
+        MemoryTerm("weight_copies", "bf16 weight copies", sum_ops("weight_copies"), "bf16",
+                   f"GEMM operands kept for backward, {len(ops)} in flight"),
+        MemoryTerm("activations", "activations", sum_ops("activations"), "bf16/fp32",
+                   f"{s.rows} rows x {len(ops)} micro-batch forwards in flight"),
+        MemoryTerm("compressed_kv", "compressed KV + CP boundary", sum_ops("cp"), "bf16",
+                   f"gathered over cp={s.cp}" if s.cp > 1 else "local entries (cp=1)"),
+        MemoryTerm("topk", "top-k indices + KL", sum_ops("topk"), "int32/fp32",
+                   f"k={s.topk}" if s.kernels and s.phase != "dense" else "inside recomputed chunks"),
+        MemoryTerm("loss", "logits + loss buffers", sum_ops("loss"), "bf16/fp32",
+                   f"head in chunks of {LOGIT_CHUNK_ELEMENTS // max(m.vocab_size, 1)} rows"),
+        MemoryTerm("transients", "backward transients", int(max(ws, ce)), "bf16/fp32",
+                   "one layer's backward + attention workspace" if ws >= ce else "head + loss chunk, weight grad"),
+        MemoryTerm("fsdp", "FSDP unsharded block", fsdp, "fp32", "gathered params x2 + grads" if fsdp else "no FSDP"),
+    ]
+    allocated = sum(t.bytes for t in terms)
+    terms.append(MemoryTerm("headroom", "headroom", int(HEADROOM_FIXED_BYTES + FRAGMENTATION * allocated), "-",
+                            f"context/NCCL {HEADROOM_FIXED_BYTES // GIB} GiB + {FRAGMENTATION:.0%} fragmentation"))
+    st = recipe.curriculum.stages[index]
+    return MemoryPlan(index, st.name, rank, s.rows, len(ops), tuple(terms), budget_bytes(recipe))
+
+
+def rank_plans(recipe: Recipe, stage_index: int) -> list[MemoryPlan]:
+    """The plan of every pipeline rank for curriculum stage ``stage_index``.
+
+    Raises: PlanUnavailable when the layout or the stage's parallel sizes are invalid (other rules say why)."""
+    s = _setting(recipe, stage_index)
+    stages = virtual_stages(recipe)
+    return [_rank_plan(recipe, stage_index, r, stages, s) for r in range(recipe.parallel.pp)]
+
+
+_PLAN_CACHE: dict[tuple[int, int], tuple[Recipe, MemoryPlan]] = {}
+
+
+def memory_plan(recipe: Recipe, stage_index: int) -> MemoryPlan:
+    """The plan of the pipeline rank that needs the most memory in curriculum stage ``stage_index``.
+
+    Args:
+        recipe: a validated ``Recipe``. stage_index: index into ``curriculum.stages``.
+    Returns: :class:`MemoryPlan` (bytes per term; ``allocated_bytes`` to compare with
+        ``torch.cuda.max_memory_allocated``; ``total_bytes`` with the GPU's memory).
+    Raises:
+        PlanUnavailable: invalid layout or parallel sizes. IndexError: no such stage.
+    """
+    key = (id(recipe), stage_index)
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None and hit[0] is recipe:  # the rule and the report's figures plan the same stage
+        return hit[1]
+    if len(_PLAN_CACHE) > 64:
+        _PLAN_CACHE.clear()
+    plan = max(rank_plans(recipe, stage_index), key=lambda p: p.total_bytes)
+    _PLAN_CACHE[key] = (recipe, plan)
+    return plan

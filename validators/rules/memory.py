@@ -1,0 +1,45 @@
+"""Memory rule: every curriculum stage fits the GPU's memory on every pipeline rank (plan: memory_plan.py)."""
+
+from __future__ import annotations
+
+from ..memory_fixes import fit_proposals
+from ..memory_plan import GIB, PlanUnavailable, memory_plan
+from .base import Context, rule
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+@rule("V4-MEMORY", fields=("cluster.gpu_memory_gib", "cluster.gpu", "curriculum.stages.*.seq_len",
+                           "curriculum.stages.*.cp", "parallel.pp", "parallel.ep", "parallel.distributed_optimizer",
+                           "parallel.micro_batch_size"),
+      fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, or more nodes")
+def check_memory(ctx: Context):
+    """The per-rank memory plan of a stage (parameters, gradients, optimizer, activations, CP buffers, loss, headroom) fits the GPU.
+
+    Source: docs/memory-plan.md (the plan, calibrated against torch.cuda.max_memory_allocated on an H200); validators/memory_plan.py.
+    """
+    try:
+        plan = memory_plan(ctx.recipe, ctx.index)
+    except PlanUnavailable as exc:
+        return ctx.na(f"no memory plan: {exc}")
+    budget, field = plan.budget_bytes, "cluster.gpu_memory_gib"
+    if budget is None:
+        return ctx.na("CPU target: set cluster.gpu_memory_gib to plan host memory per process")
+    where = f"pipeline rank {plan.pp_rank}, {plan.in_flight} micro-batch forward(s) in flight, {plan.rows} rows"
+    if plan.fits:
+        return ctx.ok(field, round(budget / GIB, 1), f"peak {_gib(plan.total_bytes)} of {_gib(budget)} ({where})")
+    top = ", ".join(f"{t.label} {_gib(t.bytes)}" for t in plan.largest(3, without=("headroom",)))
+    found, more_nodes = fit_proposals(ctx.recipe, ctx.index)
+    if found:
+        fix = "set " + ", or ".join(p.text() for p in found)
+    elif more_nodes is not None:
+        fix = (f"set {more_nodes.text()}: nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s) "
+               "(pp, cp, ep and the distributed optimizer tried)")
+    else:
+        fix = (f"no pp, cp, ep, distributed_optimizer or node count up to 64x fits {_gib(budget)}: shorten "
+               f"curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
+    return ctx.finding(field, round(budget / GIB, 1),
+                       f"stage {plan.stage_name} needs {_gib(plan.total_bytes)} per GPU > {_gib(budget)} ({where}); "
+                       f"largest: {top}", fix)

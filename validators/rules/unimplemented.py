@@ -1,0 +1,98 @@
+"""Refusals of recipe settings the bundled job does not implement (nothing is accepted and then ignored).
+
+One small rule per feature, each failing only on a non-default value, so the default and the BF16 recipes
+pass and a rule can be deleted the day its feature lands (``validators/field_coverage.py`` then names the
+field's reader instead). ``tests/validators/test_field_coverage.py`` checks that every rule here fails a
+recipe that sets its field, naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from .base import Context, rule
+
+
+@rule("V4-UNIMPL-RECOMPUTE", fields=("parallel.recompute_modules", "parallel.recompute_granularity"), scope="recipe",
+      fix="set parallel.recompute_modules=[] and parallel.recompute_granularity=none")
+def check_recompute_unimplemented(ctx: Context):
+    """Activation recompute (parallel.recompute_modules / recompute_granularity) is not implemented by the bundled job.
+
+    Source: validators/field_coverage.py (no reader in v4launch/training or model/parallel; the attention recomputes its query chunks by itself).
+    """
+    p = ctx.parallel
+    if p.recompute_modules:
+        return ctx.finding("parallel.recompute_modules", list(p.recompute_modules),
+                           f"parallel.recompute_modules={list(p.recompute_modules)}: the bundled job recomputes "
+                           "nothing it is asked to (only its own attention query chunks); these modules would "
+                           "keep their activations")
+    if p.recompute_granularity != "none":
+        return ctx.finding("parallel.recompute_granularity", p.recompute_granularity,
+                           f"parallel.recompute_granularity={p.recompute_granularity}: activation recompute is not "
+                           "implemented by the bundled job")
+    return ctx.ok("parallel.recompute_modules", [])
+
+
+@rule("V4-UNIMPL-OFFLOAD", fields=("parallel.offload_modules",), scope="recipe", fix="set parallel.offload_modules=[]")
+def check_offload_unimplemented(ctx: Context):
+    """Activation offload (parallel.offload_modules) is not implemented by the bundled job.
+
+    Source: validators/field_coverage.py (no reader of parallel.offload_modules in the job).
+    """
+    mods = list(ctx.parallel.offload_modules)
+    if mods:
+        return ctx.finding("parallel.offload_modules", mods, f"parallel.offload_modules={mods}: activation offload to "
+                           "host memory is not implemented by the bundled job; every activation stays on the GPU")
+    return ctx.ok("parallel.offload_modules", mods)
+
+
+@rule("V4-UNIMPL-FP8", fields=("precision.fp8_recipe",), scope="recipe", fix="set precision.fp8_recipe=none")
+def check_fp8_unimplemented(ctx: Context):
+    """FP8 training (precision.fp8_recipe) is not implemented by the bundled job: its GEMMs run in BF16 (or FP32).
+
+    Source: validators/field_coverage.py (no reader of precision.fp8_recipe in the job).
+    """
+    fp8 = ctx.recipe.precision.fp8_recipe
+    if fp8 != "none":
+        return ctx.finding("precision.fp8_recipe", fp8, f"precision.fp8_recipe={fp8}: FP8 training is not implemented "
+                           f"by the bundled job (every GEMM runs in precision.dtype={ctx.recipe.precision.dtype})")
+    return ctx.ok("precision.fp8_recipe", fp8)
+
+
+@rule("V4-UNIMPL-INDEXER-QAT", fields=("attention.indexer_qat", "precision.policy.indexer_qk"), scope="recipe",
+      fix="set attention.indexer_qat=false and precision.policy.indexer_qk=bf16")
+def check_indexer_qat_unimplemented(ctx: Context):
+    """Low-precision indexer QK training (attention.indexer_qat) is not implemented: the bundled indexer scores in BF16/FP32.
+
+    Source: validators/field_coverage.py (no reader of attention.indexer_qat in the job; model/indexer.py scores in the compute dtype).
+    """
+    if ctx.recipe.attention.indexer_qat:
+        return ctx.finding("attention.indexer_qat", True, "attention.indexer_qat=true: FP8/FP4 indexer QK (QAT) is not "
+                           "implemented by the bundled job; the indexer would score in "
+                           f"{ctx.recipe.precision.dtype}")
+    return ctx.ok("attention.indexer_qat", False)
+
+
+@rule("V4-UNIMPL-EVAL-INTERVAL", fields=("logging.eval_interval_steps",), scope="recipe",
+      fix="set logging.eval_interval_steps=0")
+def check_eval_interval_unimplemented(ctx: Context):
+    """Held-out evaluation every N steps (logging.eval_interval_steps) is not implemented: the job evaluates at each stage end.
+
+    Source: validators/field_coverage.py (v4launch/training/runner.py evaluates in finish_stage only).
+    """
+    n = ctx.recipe.logging.eval_interval_steps
+    if n:
+        return ctx.finding("logging.eval_interval_steps", n, f"logging.eval_interval_steps={n}: the bundled job "
+                           "evaluates the held-out loss only at the end of each stage, never every N steps")
+    return ctx.ok("logging.eval_interval_steps", 0)
+
+
+@rule("V4-UNIMPL-BSHD", fields=("parallel.qkv_format",), scope="recipe", fix="set parallel.qkv_format=thd")
+def check_bshd_unimplemented(ctx: Context):
+    """The padded BSHD batch format (parallel.qkv_format=bshd) is not implemented: the job always packs THD.
+
+    Source: validators/field_coverage.py (v4launch/data/packing.py packs every micro-batch as THD with cu_seqlens).
+    """
+    fmt = ctx.parallel.qkv_format
+    if fmt != "thd":
+        return ctx.finding("parallel.qkv_format", fmt, f"parallel.qkv_format={fmt}: the bundled job packs every "
+                           "micro-batch as THD (cu_seqlens) and has no padded BSHD path")
+    return ctx.ok("parallel.qkv_format", fmt)
