@@ -15,7 +15,7 @@ name              region (checkpointed in backward)                             
 ``layernorm``     ``attn_norm`` and ``ffn_norm`` (input and pre-MoE RMSNorm)      none
 ``mla_up_proj``   ``attn.project_query``: wq_b up-projection, per-head RMS, RoPE  none
 ``moe_act``       ``Expert.activation`` (clamped SwiGLU) of routed + shared       none
-``shared_experts`` ``ffn.shared_experts`` (the whole shared expert)               none
+``shared_experts`` ``ffn.shared_experts`` (the whole shared expert)              none
 ``moe``           ``ffn`` (router, dispatch, experts, combine, balance loss)      CP sums of the balance
                                                                                   loss when cp > 1; the
                                                                                   expert all-to-all at ep > 1
@@ -30,9 +30,9 @@ curriculum stage runs cp > 1 or ep > 1 (its region encloses collectives).
 How: the module owning a region (the norm, the attention, the expert, the MoE) takes a subclass
 of its own class whose region method (``forward``, ``Attention.project_query``,
 ``Expert.activation``) calls the original through ``torch.utils.checkpoint.checkpoint(...,
-use_reentrant=False)`` (FSDP2's ``fully_shard`` swaps classes the same way). No module is inserted or renamed,
-so parameter FQNs and state-dict keys stay exactly the single-device ones (``checkpoint_wrapper``
-would add ``_checkpoint_wrapped_module.``). FSDP2's ``fully_shard`` applied afterwards per block
+use_reentrant=False)`` (FSDP2's ``fully_shard`` swaps classes the same way). No module is inserted
+or renamed, so parameter FQNs and state-dict keys stay exactly the single-device ones
+(``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.``). FSDP2's ``fully_shard`` applied afterwards per block
 composes: its hooks run around the block's ``forward``, the recompute runs inside the block's
 backward, after FSDP has gathered the block's parameters. Pipeline stages share their blocks
 with the model they were cut from (``pipeline.cut_stage``), so apply this after the split to
@@ -45,8 +45,8 @@ aux-loss-free balancing (``MoE.expert_counts``) are counted once per forward, no
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 from torch import nn
@@ -90,11 +90,11 @@ REGIONS: dict[str, Region] = {
 }
 """Every name the recipe schema allows (``validators/schema/parallel.py`` ``RecomputeModule``)."""
 
-_FIX = "fix: list modules from layernorm, mla_up_proj, moe_act, shared_experts (e.g. parallel.recompute_modules=[mla_up_proj])"
+_FIX = "list modules from layernorm, mla_up_proj, moe_act, shared_experts (e.g. parallel.recompute_modules=[mla_up_proj])"
 
 
 def _refuse(value: Any, rule: str, fix: str = _FIX) -> ValueError:
-    return ValueError(f"{FIELD}={value!r}: {rule}. Fix: {fix.removeprefix('fix: ')}")
+    return ValueError(f"{FIELD}={value!r}: {rule}. Fix: {fix}")
 
 
 def check_recompute_modules(modules: Iterable[str], *, max_cp: int = 1, ep: int = 1) -> list[str]:
