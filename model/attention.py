@@ -158,8 +158,7 @@ class Attention(FP32Pinned):
         xe = ctx.cp.extend(x, ctx.shard)  # [B + T, dim]: left boundary rows (CP only), then x
         cos_e, sin_e = ctx.cos_sin(self.rope, x.dtype, extended=True)
         qr = self.q_norm(linear(x, self.wq_a))  # [T, q_lora_rank]
-        q = rms_unweighted(linear(qr, self.wq_b).unflatten(-1, (H, D)), self.eps)  # [T, H, D]
-        q = apply_rope(q, cos, sin)
+        q = self.project_query(qr, cos, sin)  # [T, H, D]
         kv = apply_rope(self.kv_norm(linear(xe, self.wkv)), cos_e, sin_e).to(acc)  # [B + T, D]
         plan = comp = inp = None
         mems: list[EntryMemory] = []
@@ -199,6 +198,15 @@ class Attention(FP32Pinned):
         kl_sum = ctx.cp.tie(kl_sum, mems)
         kl_rows = ctx.cp.sum_counts(torch.as_tensor(kl_rows, device=out.device))  # a device count: no host sync
         return out, ctx.cp.sum_partial(kl_sum) / kl_rows.clamp_min(1)
+
+    def project_query(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Query up-projection, per-head RMS norm and RoPE: qr [T, q_lora_rank] -> q [T, H, D].
+
+        Spec §2 query path steps 2-4. The region Megatron's selective recompute calls
+        ``mla_up_proj`` (``parallel/recompute.py`` checkpoints this method); it holds no collective.
+        """
+        q = rms_unweighted(linear(qr, self.wq_b).unflatten(-1, (self.n_heads, self.head_dim)), self.eps)
+        return apply_rope(q, cos, sin)
 
     def _attend_chunk(self, ctx: BatchContext, rows: slice, q_rows: torch.Tensor, kv: torch.Tensor,
                       plan: Optional[CompressPlan], comp: Optional[EntryMemory], inp):

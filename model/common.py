@@ -125,7 +125,14 @@ def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) 
     float32 / float64 inputs: the product computed in ``dtype``. bf16 inputs (or autocast) with
     ``dtype=float32``: a bf16 tensor-core GEMM with float32 accumulation and output
     (``matmul.project``), not a float32 GEMM.
+
+    A subclass of ``nn.Linear`` with its own ``forward`` (an FP8 training module that
+    ``parallel/precision.py`` swapped in) runs that forward, so its own GEMM is the one used;
+    its result is cast to ``dtype`` when one is given.
     """
+    if type(layer).forward is not nn.Linear.forward and isinstance(layer, nn.Linear):
+        y = layer(x)
+        return y if dtype is None else y.to(dtype)
     return project(x, layer.weight, dtype)
 
 

@@ -106,9 +106,18 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
         self.limit = swiglu_limit
 
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """:func:`swiglu` with this expert's limit: gate, up [n, inter] -> [n, inter] accumulation dtype.
+
+        The region Megatron's selective recompute calls ``moe_act`` (``parallel/recompute.py``
+        checkpoints this method); :func:`run_local_experts` calls the first local expert's for the
+        grouped path (every expert of a layer has the same limit).
+        """
+        return swiglu(gate, up, self.limit)
+
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [n, dim], weights [n, 1] or None -> [n, dim] in x's dtype."""
-        h = swiglu(linear(x, self.w1), linear(x, self.w3), self.limit)
+        h = self.activation(linear(x, self.w1), linear(x, self.w3))
         if weights is not None:
             h = h * weights
         return linear(h.to(x.dtype), self.w2)
@@ -167,15 +176,14 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
         outs = [expert(rows) for expert, rows in zip(experts, x.split(counts.tolist()))]
         return torch.cat(outs) if outs else x
     dtype = _compute_dtype(x)
-    limit = experts[0].limit
 
     def stacked(name: str) -> torch.Tensor:  # [E_l, out, in] -> [E_l, in, out] (column-major view)
         return torch.stack([getattr(e, name).weight.to(dtype) for e in experts]).transpose(-2, -1)
 
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
     xc = x.to(dtype)
-    h = swiglu(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
-               torch._grouped_mm(xc, stacked("w3"), offs=offsets), limit)  # [M, inter] acc dtype
+    h = experts[0].activation(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
+                              torch._grouped_mm(xc, stacked("w3"), offs=offsets))  # [M, inter] acc dtype
     return torch._grouped_mm(h.to(dtype), stacked("w2"), offs=offsets)
 
 

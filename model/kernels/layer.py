@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..common import acc_dtype, linear, rms_unweighted
+from ..common import acc_dtype, linear
 from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
 from .dispatch import Backend
@@ -139,8 +139,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
     xe = ctx.cp.extend(x, ctx.shard)  # [B + T, dim]
     cos_e, sin_e = ctx.cos_sin(attn.rope, x.dtype, extended=True)
     qr = attn.q_norm(linear(x, attn.wq_a))
-    q = rms_unweighted(linear(qr, attn.wq_b).unflatten(-1, (H, D)), attn.eps)
-    q = apply_rope(q, cos, sin)
+    q = attn.project_query(qr, cos, sin)  # [T, H, D]
     kv = apply_rope(attn.kv_norm(linear(xe, attn.wkv)), cos_e, sin_e)  # [B + T, D]
     e = B + torch.arange(T, device=x.device)  # each query's extended row
     a_lo = torch.maximum(e - ext.pos[e], e - attn.window_size + 1)
