@@ -93,11 +93,11 @@ COVERAGE: dict[str, Coverage] = {
     "parallel.micro_batch_size": Honoured(PLAN),
     "parallel.global_batch_size": Honoured(PLAN, via=STAGE_GBS),
     "parallel.distributed_optimizer": Honoured(RUNNER_INIT),
-    "parallel.recompute_granularity": Refused("V4-UNIMPL-RECOMPUTE", "parallel.recompute_granularity=full"),
-    "parallel.recompute_modules": Refused("V4-UNIMPL-RECOMPUTE", "parallel.recompute_modules=[mla_up_proj]"),
+    "parallel.recompute_granularity": Honoured("v4launch.training.plan:recompute_names"),
+    "parallel.recompute_modules": Honoured("v4launch.training.plan:recompute_names"),
     "parallel.offload_modules": Refused("V4-UNIMPL-OFFLOAD", "parallel.offload_modules=[core_attn]"),
     "precision.dtype": Honoured(RUNNER_INIT),
-    "precision.fp8_recipe": Refused("V4-UNIMPL-FP8", "precision.fp8_recipe=blockwise"),
+    "precision.fp8_recipe": Honoured("v4launch.model.parallel.precision:fp8_module_filter"),
     "precision.keep_fp32_params": Inert(
         "the job stores every parameter in FP32 (bf16 exists only as autocast compute), so the pinned ones "
         "(ape, attn_sink, hc_*, router bias) are FP32 whatever the value: true keeps them FP32, false lifts a "

@@ -7,7 +7,7 @@ the memory plan of the stage with them. Tried in order, each on its own, the sma
 2. more expert parallelism (``parallel.ep``): fewer routed experts per rank;
 3. the distributed optimizer (``parallel.distributed_optimizer=true``): dense state sharded over dp·cp;
 4. more pipeline ranks (``parallel.pp`` with a balanced ``parallel.pp_layout``): fewer layers per rank;
-5. selective recompute (``parallel.recompute_modules``), once the job implements it (no V4-UNIMPL-RECOMPUTE);
+5. selective recompute (``parallel.recompute_modules``) of every region the job recomputes;
 6. all of the above together; then the same on 2, 4, … 64 times the nodes (``cluster.nodes``).
 
 Every proposal keeps the other rules satisfied where they depend on the same sizes (cp divides the pipeline
@@ -189,12 +189,9 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> tuple[list[Prop
 
 
 def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:
-    """Selective recompute of every region the job recomputes, once the job implements it."""
+    """Selective recompute of every region the job recomputes (``moe`` left out: refused at cp > 1 or ep > 1)."""
     from .memory_activations import RECOMPUTE_REGIONS
-    from .rules import RULES
 
-    if "V4-UNIMPL-RECOMPUTE" in RULES:
-        return []
     names = [n for n in RECOMPUTE_REGIONS if n != "moe"]
     if set(names) <= set(recipe.parallel.recompute_modules):
         return []

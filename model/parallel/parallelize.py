@@ -18,6 +18,8 @@ from ..model import V4Model
 from .base import SINGLE_DEVICE, ContextParallel
 from .expert import apply_expert_parallel
 from .fsdp import apply_fsdp, routed_expert_params, shard_mesh
+from .precision import apply_fp8
+from .recompute import apply_recompute
 from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
 
 
@@ -30,6 +32,8 @@ class ParallelDims:
             (required when pp · vpp > 1).
         ep: expert-parallel size (folds over the S ranks of a pipeline rank).
         distributed_optimizer: shard parameters, gradients and optimizer state with FSDP2.
+        recompute: the ``parallel.recompute_modules`` names to recompute (``recompute.modules_from_recipe``).
+        max_cp: the largest CP size of any curriculum stage (the recompute refusals depend on it).
     """
 
     pp: int = 1
@@ -37,6 +41,8 @@ class ParallelDims:
     pp_layout: Optional[str] = None
     ep: int = 1
     distributed_optimizer: bool = False
+    recompute: tuple[str, ...] = ()
+    max_cp: int = 1
 
     @property
     def pipelined(self) -> bool:
@@ -76,6 +82,7 @@ class ParallelModel:
         experts: the routed-expert parameters when ep > 1 (held by this EP rank only, not FSDP-sharded:
             their gradients are reduced over the edp group); empty when ep = 1.
         sharded: FSDP2 shards the other parameters over the S group (``distributed_optimizer``).
+        fp8_modules, recomputed: FQNs of the modules converted to FP8 / the recomputed regions.
     """
 
     model: V4Model
@@ -84,6 +91,8 @@ class ParallelModel:
     specs: list[StageSpec] = field(default_factory=list)
     experts: frozenset = frozenset()
     sharded: bool = False
+    fp8_modules: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
 
     @property
     def schedule(self) -> Any:
@@ -145,7 +154,8 @@ class ParallelModel:
 
 
 def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device,
-                cp: ContextParallel = SINGLE_DEVICE, phase: Optional[str] = None) -> ParallelModel:
+                cp: ContextParallel = SINGLE_DEVICE, phase: Optional[str] = None,
+                precision: Any = None) -> ParallelModel:
     """Apply ``dims`` to ``model`` for this rank (see the module docstring for the order).
 
     Args:
@@ -155,11 +165,15 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
         phase: move the rank's model to this phase after the pipeline split and before FSDP (the
             indexers are then built, with the RNG draws of an unsharded ``set_phase`` on the same rank,
             and sharded with their blocks); None keeps ``model``'s phase.
+        precision: the recipe's ``precision`` section: its policy is checked and, with an fp8_recipe,
+            the GEMMs the V4 policy allows become torchao FP8 (``precision.apply_fp8``); None skips both.
     Returns: :class:`ParallelModel`. With pp = 1 its ``model`` is ``model`` itself.
     Raises:
         ValueError: a pp_layout the pipeline cannot run (:func:`pipeline.stage_specs`); E % ep != 0 or an
             EP group that does not match ``dims.ep`` (:func:`expert.apply_expert_parallel`); FSDP's dp not
-            dividing S or parameters of several dtypes (:func:`fsdp.apply_fsdp`).
+            dividing S or parameters of several dtypes (:func:`fsdp.apply_fsdp`); a recompute or
+            precision setting the model cannot honour (:func:`recompute.apply_recompute`,
+            :func:`precision.apply_fp8`).
     """
     # 1. Expert parallel: prune experts to this EP rank's, install the all-to-all dispatcher.
     if dims.ep > 1:
@@ -173,6 +187,11 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
         pm.experts = frozenset(routed_expert_params(pm.parts))
     if phase is not None and phase != pm.model.phase:
         pm.set_phase(phase)
+    # 2b. Per-module transforms of each part (they share blocks with pm.model): FP8 GEMMs, then recompute.
+    for part in pm.parts:
+        if precision is not None:
+            pm.fp8_modules += apply_fp8(part, precision)
+        pm.recomputed += apply_recompute(part, list(dims.recompute), max_cp=dims.max_cp, ep=dims.ep)
     # 3. FSDP: fully_shard per block, per MTP layer, then per part, over the S group (experts left to EP).
     if dims.distributed_optimizer:
         apply_fsdp(pm.parts, shard_mesh(groups.shard, device.type), dp=groups.dp, ignored_params=pm.experts)

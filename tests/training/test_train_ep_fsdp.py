@@ -9,7 +9,9 @@ in float64, as in test_train_cp.py / test_train_pp.py):
 * FSDP over dp 2 (``parallel.distributed_optimizer: true``);
 * ep 2 x FSDP x cp 2 in the last stage (world 2: the sparse stage runs dp 1 x cp 2);
 * pp 2 x ep 2 x FSDP (world 4: two pipeline ranks, each an S group of 2 ranks that are both the
-  EP group and the FSDP group).
+  EP group and the FSDP group);
+* ep 2 x FSDP with selective recompute of every region the job allows at ep > 1 (against plain data
+  parallel without recompute: recompute changes memory, never numbers).
 
 The manifests record ep and list every expert once; a checkpoint written at ep 2 x FSDP resumes
 at ep 1 unsharded (DCP reshards by FQN) and continues with the uninterrupted run's losses.
@@ -31,6 +33,9 @@ EP2_FSDP_CP2 = {"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2, "distribu
                     {"name": "dense", "seq_len": 64, "phase": "dense", "steps": 3},
                     {"name": "warm", "seq_len": 64, "phase": "warmup", "steps": 3},
                     {"name": "sparse", "seq_len": 256, "phase": "sparse", "steps": 2, "cp": 2}]}}
+EP2_FSDP_RECOMPUTE = {"cluster": {"gpus_per_node": 2}, "parallel": {
+    "ep": 2, "distributed_optimizer": True, "recompute_granularity": "selective",
+    "recompute_modules": ["layernorm", "mla_up_proj", "moe_act", "shared_experts"]}}
 PP2_EP2_FSDP = {"cluster": {"gpus_per_node": 4},
                 "parallel": {"pp": 2, "pp_layout": "Et|ttmL", "ep": 2, "distributed_optimizer": True,
                              "global_batch_size": 4}}
@@ -50,15 +55,17 @@ def _assert_same(a: dict, b: dict, tol: float = 1e-10) -> None:
 def _reference(new_run, over: dict, world: int):
     """The same world and stages with every expert on every rank and no sharding (plain data parallel,
     itself equal to one process: test_train_cp.py, test_train_pp.py)."""
-    plain = dict(over, parallel={k: v for k, v in over["parallel"].items() if k not in ("ep", "distributed_optimizer")})
+    dropped = ("ep", "distributed_optimizer", "recompute_granularity", "recompute_modules")
+    plain = dict(over, parallel={k: v for k, v in over["parallel"].items() if k not in dropped})
     ref = new_run(plain, name="ref")
     _run_float64(ref, world)
     return ref
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("over,world", [(EP2, 2), (FSDP2, 2), (EP2_FSDP_CP2, 2), (PP2_EP2_FSDP, 4)],
-                         ids=["ep2", "fsdp-dp2", "ep2-fsdp-cp2", "pp2-ep2-fsdp"])
+@pytest.mark.parametrize("over,world", [(EP2, 2), (FSDP2, 2), (EP2_FSDP_CP2, 2), (PP2_EP2_FSDP, 4),
+                                        (EP2_FSDP_RECOMPUTE, 2)],
+                         ids=["ep2", "fsdp-dp2", "ep2-fsdp-cp2", "pp2-ep2-fsdp", "ep2-fsdp-recompute"])
 def test_layout_gives_the_one_process_losses_in_float64(new_run, over, world):
     ref = _reference(new_run, over, world)
     run = new_run(over)
@@ -79,6 +86,8 @@ def test_layout_gives_the_one_process_losses_in_float64(new_run, over, world):
         assert "x ep 2 (experts 2-3 of 4 here)" in start
     if over["parallel"].get("distributed_optimizer"):
         assert "FSDP2 over the 2 ranks of a pipeline rank" in start
+    if over["parallel"].get("recompute_modules"):
+        assert "recompute layernorm, mla_up_proj, moe_act, shared_experts:" in start
 
 
 @pytest.mark.slow

@@ -121,6 +121,9 @@ def test_rank_grid_puts_cp_innermost_and_pp_outermost():
         cp_group_ranks(4, 4, pp=2)
 
 
+PAPER_SCALE = {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_16n.yaml"}
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in __import__("pathlib").Path(__file__).resolve()
                                         .parents[2].joinpath("recipes").glob("*.yaml")))
 def test_every_shipped_recipe_validates_and_the_job_plans_it_as_written(name):
@@ -135,7 +138,9 @@ def test_every_shipped_recipe_validates_and_the_job_plans_it_as_written(name):
 
     path = Path(__file__).resolve().parents[2] / "recipes" / name
     loaded = load_recipe(path, [])
-    assert validate_recipe(loaded).ok
+    failed = validate_recipe(loaded).failed_rule_ids()
+    # the paper-scale recipes do not fit the job's memory at their node counts: validate says why (V4-MEMORY)
+    assert failed == ({"V4-MEMORY"} if name in PAPER_SCALE else set()), failed
     recipe = loaded.recipe
     plans = plan_curriculum(recipe, recipe.cluster.world_size)
     par = recipe.parallel

@@ -24,7 +24,7 @@ from v4launch.validators.field_coverage import COVERAGE, Checked, Honoured, Iner
 from v4launch.validators.schema import Recipe
 
 JOB_PACKAGES = ("v4launch.training.", "v4launch.data.", "v4launch.slurm.", "v4launch.checkpoints.", "v4launch.rundir",
-                "v4launch.cli.")
+                "v4launch.cli.", "v4launch.model.parallel.")  # model.parallel: the seam the job applies
 VALIDATOR_READERS = {"cluster.gpu_memory_gib"}
 """Fields whose reader is the validator itself: a budget the memory plan checks (nothing else uses it)."""
 

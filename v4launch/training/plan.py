@@ -78,6 +78,7 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
                                 hint="set parallel.tp=1 (V4 hybrid attention has no TP)")
     pp = _check_pp(recipe, world)
     _check_ep(recipe, world, pp)
+    recompute_names(recipe)
     plans, step = [], 0
     for i, st in enumerate(recipe.curriculum.stages):
         cp = recipe.stage_cp(st)
@@ -105,6 +106,26 @@ def plan_curriculum(recipe: Any, world: int) -> list[StagePlan]:
                                kernel_backend=st.kernel_backend or recipe.attention.kernel_backend, pp=pp))
         step += n
     return plans
+
+
+def recompute_names(recipe: Any) -> list[str]:
+    """The regions the job recomputes (``parallel.recompute_*``), with the precision policy checked too.
+
+    Raises:
+        ContractViolation: what ``model/parallel/recompute.py`` and ``precision.py`` refuse (the validator's
+            V4-RECOMPUTE and V4-PREC-* rules refuse the same settings).
+    """
+    from ..model.parallel.precision import check_precision_policy
+    from ..model.parallel.recompute import modules_from_recipe
+
+    par = recipe.parallel
+    max_cp = max(recipe.stage_cp(st) for st in recipe.curriculum.stages)
+    try:
+        check_precision_policy(recipe.precision)
+        return modules_from_recipe(par.recompute_granularity, par.recompute_modules, max_cp=max_cp, ep=par.ep)
+    except ValueError as exc:
+        message, _, fix = str(exc).partition(" Fix: ")
+        raise ContractViolation(message, hint=fix or "check `v4launch validate`") from None
 
 
 def _check_ep(recipe: Any, world: int, pp: int) -> None:

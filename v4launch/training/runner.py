@@ -23,7 +23,7 @@ from .data_io import eval_batches, micro_batches, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
-from .plan import LRSchedule, StagePlan, plan_curriculum
+from .plan import LRSchedule, StagePlan, plan_curriculum, recompute_names
 from .released_init import load_released_init
 from .result import TrainResult
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
@@ -40,7 +40,8 @@ class Runner:
         self.plans: list[StagePlan] = plan_curriculum(self.recipe, info.world)
         par = self.recipe.parallel
         self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
-                                 distributed_optimizer=par.distributed_optimizer)
+                                 distributed_optimizer=par.distributed_optimizer,
+                                 recompute=tuple(recompute_names(self.recipe)), max_cp=max(p.cp for p in self.plans))
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
@@ -89,7 +90,8 @@ class Runner:
                                 shard=self.groups.shard_group, ep_rank=self.groups.ep_rank, ep=self.groups.ep_group,
                                 dp=self.layout.dp)
         try:
-            self.pm = parallelize(full, self.dims, groups, self.info.device, cp=self.layout.hooks, phase=phase)
+            self.pm = parallelize(full, self.dims, groups, self.info.device, cp=self.layout.hooks, phase=phase,
+                                  precision=self.recipe.precision)
         except (ValueError, NotImplementedError) as exc:
             raise ContractViolation(str(exc).split(" Fix: ")[0], hint=str(exc).partition(" Fix: ")[2] or
                                     "check `v4launch validate`") from None
@@ -170,6 +172,14 @@ class Runner:
             self.metrics.event(p.step, "data", self.data_note)
         if self.init_note:
             self.metrics.event(p.step, "init", self.init_note)
+        if self.recipe.precision.fp8_recipe != "none":  # which GEMM runs at which precision, and why
+            from ..model.parallel.precision import describe_precision, fp8_module_filter
+
+            self.metrics.event(p.step, "precision", describe_precision(self.model, fp8_module_filter(self.recipe.precision)),
+                               fp8_modules=len(self.pm.fp8_modules))
+        if self.pm.recomputed:
+            self.metrics.event(p.step, "recompute", f"recompute {', '.join(self.dims.recompute)}: "
+                               f"{len(self.pm.recomputed)} regions re-run in backward", regions=len(self.pm.recomputed))
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""

@@ -48,19 +48,56 @@ def check_o_groups(ctx: Context):
     return ctx.ok("model.o_groups", m.o_groups)
 
 
-@rule("V4-RECOMPUTE", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
-      fix="drop 'core_attn' and list the modules explicitly, e.g. parallel.recompute_modules=[mla_up_proj]")
-def check_recompute(ctx: Context):
-    """No core-attention recompute; selective recompute must name its modules (Megatron's default is core_attn).
+def recompute_problem(recipe) -> tuple[str, object, str] | None:
+    """(field, value, why) of the first recompute setting the bundled job refuses, or None.
 
-    Source: Megatron deepseek_v4_hybrid_attention.py:94-99 and transformer_config.py:2192; seed 000 §10.
+    The same refusals as ``model/parallel/recompute.py`` ``modules_from_recipe`` (a test checks the two
+    agree over every name, granularity, cp and ep).
     """
-    p = ctx.parallel
-    if "core_attn" in p.recompute_modules:
-        return ctx.finding("parallel.recompute_modules", list(p.recompute_modules), "'core_attn' recompute is rejected by V4 hybrid attention")
-    if p.recompute_granularity == "selective" and not p.recompute_modules:
-        return ctx.finding("parallel.recompute_modules", [], "selective recompute without modules means ['core_attn'] in Megatron")
-    return ctx.ok("parallel.recompute_modules", list(p.recompute_modules))
+    p = recipe.parallel
+    mods = list(p.recompute_modules)
+    if p.recompute_granularity == "full":
+        return ("parallel.recompute_granularity", "full", "recomputing whole layers encloses the core attention "
+                "and, at cp > 1, the CP boundary exchange and compressed all-gathers")
+    if p.recompute_granularity == "none":
+        return ("parallel.recompute_modules", mods, "recompute_granularity=none: these modules would be ignored") \
+            if mods else None
+    if not mods:
+        return ("parallel.recompute_modules", [], "selective recompute without modules means ['core_attn'] in Megatron")
+    if "core_attn" in mods:
+        return ("parallel.recompute_modules", mods, "'core_attn' recompute is rejected by V4 hybrid attention")
+    if "mlp" in mods:
+        return ("parallel.recompute_modules", mods, "'mlp' recomputes a dense MLP; every V4 FFN is a MoE (hash "
+                "layers included), so it would recompute nothing")
+    max_cp = max([p.cp, *(st.cp for st in recipe.curriculum.stages if st.cp is not None)])
+    if "moe" in mods and (max_cp > 1 or p.ep > 1):
+        return ("parallel.recompute_modules", mods, f"'moe' recompute would enclose collectives (the balance loss's "
+                f"CP sums at cp={max_cp}, the expert all-to-all at ep={p.ep}) and replay them in backward; list "
+                "'shared_experts' and 'moe_act' instead")
+    if "shared_experts" in mods and not recipe.model.moe.n_shared_experts:
+        return ("parallel.recompute_modules", mods, "'shared_experts' with model.moe.n_shared_experts=0: nothing to "
+                "recompute")
+    return None
+
+
+@rule("V4-RECOMPUTE", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
+      fix="set parallel.recompute_granularity=selective and list modules from layernorm, mla_up_proj, moe_act, "
+          "shared_experts (e.g. parallel.recompute_modules=[mla_up_proj])")
+def check_recompute(ctx: Context):
+    """Recompute only regions the bundled job can replay, without core attention or replayed communication.
+
+    Refused (:func:`recompute_problem`, the job's refusals): ``core_attn`` (between the CP boundary exchange
+    and the compressed all-gather); ``mlp`` (every V4 FFN is a MoE); ``moe`` when a stage runs cp > 1 or
+    ep > 1; ``shared_experts`` without shared experts; granularity ``full``; ``selective`` without modules
+    (Megatron's default is core_attn); ``none`` with modules (ignored).
+
+    Source: Megatron deepseek_v4_hybrid_attention.py:94-99 and transformer_config.py:2192; seed 000 §10;
+    model/parallel/recompute.py.
+    """
+    problem = recompute_problem(ctx.recipe)
+    if problem:
+        return ctx.finding(*problem)
+    return ctx.ok("parallel.recompute_modules", list(ctx.parallel.recompute_modules))
 
 
 @rule("V4-OFFLOAD-QKV", fields=("parallel.offload_modules",), scope="recipe",

@@ -74,3 +74,43 @@ def check_fp8_sm(ctx: Context):
         where = "a CPU target" if sm is None else f"SM{sm}"
         return ctx.finding("precision.fp8_recipe", fp8, f"fp8_recipe={fp8} needs SM{need}+, cluster.gpu={ctx.recipe.cluster.gpu} is {where}")
     return ctx.ok("precision.fp8_recipe", fp8, f"SM{sm}")
+
+
+FP8_ALIGNMENT = 16
+"""FP8 GEMMs need in and out features that are multiples of 16 (torchao float8; the tensor cores' FP8 tile)."""
+
+
+@rule("V4-FP8-BUILD", fields=("precision.fp8_recipe", "model.dim", "model.q_lora_rank", "model.head_dim",
+                              "model.n_heads", "model.o_lora_rank", "model.o_groups", "model.moe.moe_inter_dim"),
+      scope="recipe", fix="set precision.fp8_recipe=none, or blockwise / delayed with model dimensions that are "
+                          "multiples of 16")
+def check_fp8_build(ctx: Context):
+    """FP8 runs through torchao float8 in the bundled job: no mxfp8, and FP8 GEMM sizes are multiples of 16.
+
+    mxfp8 is refused (torchao's MX formats are not wired; ``delayed`` runs as torchao tensorwise and
+    ``blockwise`` as rowwise scaling, printed at job start); every GEMM the V4 policy sends to FP8
+    (wq_a dim→q_lora_rank, wq_b q_lora_rank→n_heads·head_dim, wkv dim→head_dim, wo_b
+    o_groups·o_lora_rank→dim, the shared expert dim↔moe_inter_dim, the MTP projections dim→dim)
+    needs both sizes to be multiples of 16.
+
+    Source: model/parallel/precision.py apply_fp8; torchao float8 (convert_to_float8_training).
+    """
+    fp8, m = ctx.recipe.precision.fp8_recipe, ctx.recipe.model
+    if fp8 == "none":
+        return ctx.na("fp8_recipe=none")
+    if fp8 == "mxfp8":
+        if ctx.sm is None or ctx.sm < 100:
+            return ctx.na("mxfp8 below SM100: V4-FP8-SM refuses it")
+        return ctx.finding("precision.fp8_recipe", fp8, "fp8_recipe=mxfp8: the bundled job runs FP8 through torchao "
+                           "float8 (tensorwise / rowwise scaling); MX block formats are not wired")
+    sizes = {"model.dim": m.dim, "model.q_lora_rank": m.q_lora_rank, "model.n_heads·head_dim": m.n_heads * m.head_dim,
+             "model.head_dim": m.head_dim, "model.o_groups·o_lora_rank": m.o_groups * m.o_lora_rank}
+    if m.moe.n_shared_experts:
+        sizes["model.moe.moe_inter_dim"] = m.moe.moe_inter_dim
+    bad = {k: v for k, v in sizes.items() if v % FP8_ALIGNMENT}
+    if bad:
+        name, value = next(iter(bad.items()))
+        return ctx.finding(name.split("·")[0] if "·" not in name else "precision.fp8_recipe", value,
+                           f"fp8_recipe={fp8}: FP8 GEMMs need sizes that are multiples of {FP8_ALIGNMENT}, and "
+                           + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not")
+    return ctx.ok("precision.fp8_recipe", fp8, "torchao float8, sizes aligned")

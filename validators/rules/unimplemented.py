@@ -11,26 +11,6 @@ from __future__ import annotations
 from .base import Context, rule
 
 
-@rule("V4-UNIMPL-RECOMPUTE", fields=("parallel.recompute_modules", "parallel.recompute_granularity"), scope="recipe",
-      fix="set parallel.recompute_modules=[] and parallel.recompute_granularity=none")
-def check_recompute_unimplemented(ctx: Context):
-    """Activation recompute (parallel.recompute_modules / recompute_granularity) is not implemented by the bundled job.
-
-    Source: validators/field_coverage.py (no reader in v4launch/training or model/parallel; the attention recomputes its query chunks by itself).
-    """
-    p = ctx.parallel
-    if p.recompute_modules:
-        return ctx.finding("parallel.recompute_modules", list(p.recompute_modules),
-                           f"parallel.recompute_modules={list(p.recompute_modules)}: the bundled job recomputes "
-                           "nothing it is asked to (only its own attention query chunks); these modules would "
-                           "keep their activations")
-    if p.recompute_granularity != "none":
-        return ctx.finding("parallel.recompute_granularity", p.recompute_granularity,
-                           f"parallel.recompute_granularity={p.recompute_granularity}: activation recompute is not "
-                           "implemented by the bundled job")
-    return ctx.ok("parallel.recompute_modules", [])
-
-
 @rule("V4-UNIMPL-OFFLOAD", fields=("parallel.offload_modules",), scope="recipe", fix="set parallel.offload_modules=[]")
 def check_offload_unimplemented(ctx: Context):
     """Activation offload (parallel.offload_modules) is not implemented by the bundled job.
@@ -42,19 +22,6 @@ def check_offload_unimplemented(ctx: Context):
         return ctx.finding("parallel.offload_modules", mods, f"parallel.offload_modules={mods}: activation offload to "
                            "host memory is not implemented by the bundled job; every activation stays on the GPU")
     return ctx.ok("parallel.offload_modules", mods)
-
-
-@rule("V4-UNIMPL-FP8", fields=("precision.fp8_recipe",), scope="recipe", fix="set precision.fp8_recipe=none")
-def check_fp8_unimplemented(ctx: Context):
-    """FP8 training (precision.fp8_recipe) is not implemented by the bundled job: its GEMMs run in BF16 (or FP32).
-
-    Source: validators/field_coverage.py (no reader of precision.fp8_recipe in the job).
-    """
-    fp8 = ctx.recipe.precision.fp8_recipe
-    if fp8 != "none":
-        return ctx.finding("precision.fp8_recipe", fp8, f"precision.fp8_recipe={fp8}: FP8 training is not implemented "
-                           f"by the bundled job (every GEMM runs in precision.dtype={ctx.recipe.precision.dtype})")
-    return ctx.ok("precision.fp8_recipe", fp8)
 
 
 @rule("V4-UNIMPL-INDEXER-QAT", fields=("attention.indexer_qat", "precision.policy.indexer_qk"), scope="recipe",
