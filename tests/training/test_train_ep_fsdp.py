@@ -131,3 +131,21 @@ def test_held_out_loss_is_over_the_same_documents_whatever_dp(new_run):
     _run_float64(run, 2)
     ea, eb = _evals(ref), _evals(run)
     assert len(ea) == len(eb) == 3 and max(abs(x - y) for x, y in zip(ea, eb)) < 1e-10
+
+
+@pytest.mark.slow
+def test_an_ep2_fsdp_run_stopped_after_the_rebuild_resumes_bitwise(new_run):
+    """Stopped in the warm-up stage (after the sharded model was rebuilt with its indexers) and resumed at the
+    same layout, the run continues with exactly the uninterrupted run's numbers (the resume builds the
+    model in the checkpoint's phase and loads every FQN; the uninterrupted run moved its state by FQN)."""
+    from train_helpers import losses
+
+    from v4launch.launchers import LocalLauncher
+
+    over = {"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2, "distributed_optimizer": True}}
+    full = new_run(over, name="full")
+    assert LocalLauncher().launch(full, progress=False).result.status == "completed"
+    run = new_run(over)
+    assert LocalLauncher().launch(run, max_steps=5, progress=False).result.step == 5
+    assert LocalLauncher().launch(run, progress=False).result.status == "completed"
+    assert losses(train_records(run)) == losses(train_records(full))
