@@ -175,7 +175,15 @@ def create_run_dir(loaded: Any, launcher: LauncherName, extra: dict[str, Any] | 
     ws = workspace or Workspace.current()
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
     root = ws.runs_root(recipe.run.output_root)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK):
+            raise PermissionError(f"{root} is not writable")
+    except OSError as exc:
+        raise UsageError(f"run.output_root={recipe.run.output_root!r}: cannot create run directories under {root} "
+                         f"({exc.strerror or exc})",
+                         hint="set run.output_root to a writable folder (relative paths resolve against the "
+                              "workspace), e.g. run.output_root=runs") from None
     run_dir, n = root / f"{recipe.name}-{stamp}", 1
     while True:
         try:

@@ -7,7 +7,11 @@ that rule to fail (or warn), and a passing twin where the rule applies and passe
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
+
+FIXTURE_DATA = Path(__file__).resolve().parent / "data"
+"""A released-format directory (index only) and a dense-phase import record, for V4-RELEASED-INIT."""
 
 BASE: dict[str, Any] = {
     "name": "fixture",
@@ -82,6 +86,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-SEQ-MAXPOS": (["model.max_position_embeddings=4096"], []),
     "V4-TOPK-VISIBLE": (["model.indexer.topk=2048"], ["model.indexer.topk=1024"]),
     "V4-VOCAB": (["model.vocab_size=256"], ["model.vocab_size=257"]),
+    "V4-RELEASED-INIT": ([f"model.init_from_released={FIXTURE_DATA / 'released_dir'}"],
+                         [f"model.init_from_released={FIXTURE_DATA / 'dense_import'}"]),
     # refusals of what the job does not implement (rules/unimplemented.py); the twin is the base (default value)
     "V4-UNIMPL-OFFLOAD": (["parallel.offload_modules=[core_attn]"], []),
     "V4-UNIMPL-INDEXER-QAT": (["attention.indexer_qat=true"], []),

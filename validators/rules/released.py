@@ -98,3 +98,52 @@ def check_vocab(ctx: Context):
     if ctx.model.vocab_size < need:
         return ctx.finding("model.vocab_size", ctx.model.vocab_size, f"vocab_size {ctx.model.vocab_size} < {need} tokens of the {tok} tokenizer")
     return ctx.ok("model.vocab_size", ctx.model.vocab_size, f"≥ {need}")
+
+
+RELEASED_INDEX = "model.safetensors.index.json"
+"""A released-format directory's index (checkpoints/released_config.py ``INDEX_NAME``)."""
+IMPORT_RECORD = "released_import.json"
+"""What ``v4launch checkpoint import`` writes beside its DCP checkpoint (checkpoints/released_import.py)."""
+
+
+def released_init_problem(path_text: str, first_phase: str) -> tuple[str, str] | None:
+    """(why, fix) when the job would refuse ``model.init_from_released`` at start, or None (fine or not readable
+    here: a cluster path is checked by the job). Mirrors v4launch/training/released_init.py."""
+    import json
+
+    path = Path(path_text).expanduser()
+    if (path / RELEASED_INDEX).is_file():
+        return (f"{path} is a released-format directory, not an imported checkpoint",
+                f"run `v4launch checkpoint import {path} --recipe RECIPE --out DIR`, then set model.init_from_released=DIR")
+    try:
+        record = json.loads((path / IMPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("indexer_layers") and first_phase == "dense":
+        return ("the import holds trained indexers and the first stage is dense, which has none: they would be "
+                "dropped and trained again at the warm-up", "start the curriculum with a warmup or sparse stage")
+    if not record.get("indexer_layers") and first_phase == "sparse":
+        return ("the import has no indexers and the first stage is sparse: untrained indexers would select the "
+                "attended entries", "start the curriculum with a warmup stage")
+    return None
+
+
+@rule("V4-RELEASED-INIT", fields=("model.init_from_released", "curriculum.stages.*.phase"), scope="recipe",
+      fix="point model.init_from_released at a `v4launch checkpoint import` output and start the curriculum in "
+          "the phase its indexers allow")
+def check_released_init(ctx: Context):
+    """A run started from imported released weights begins in a phase that keeps their indexers (or trains new ones).
+
+    Refused as the job refuses at start (released_init.py): a released-format directory instead of its import;
+    trained indexers with a dense first stage (dropped, then retrained); no indexers with a sparse first stage.
+    A path this machine cannot read is left to the job (it may exist on the cluster only).
+
+    Source: v4launch/training/released_init.py load_released_init; checkpoints/released_import.py ImportRecord.
+    """
+    path = ctx.recipe.model.init_from_released
+    if not path:
+        return ctx.na("no init_from_released")
+    problem = released_init_problem(str(path), ctx.recipe.curriculum.stages[0].phase)
+    if problem:
+        return ctx.finding("model.init_from_released", path, problem[0], fix=problem[1])
+    return ctx.ok("model.init_from_released", path)
