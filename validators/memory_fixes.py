@@ -87,6 +87,8 @@ def _batches_ok(recipe: Recipe, pp: int, shard: int, cps: list[int]) -> bool:
     micro = recipe.parallel.micro_batch_size
     for st, cp in zip(recipe.curriculum.stages, cps):
         dp = shard // cp
+        if dp < 1 or shard % cp:  # a stage whose cp does not divide the ranks (V4-CP-DIVISIBLE reports it)
+            return False
         gbs = recipe.stage_global_batch(st)
         if gbs % (micro * dp) or (pp > 1 and gbs // (micro * dp) < pp):
             return False

@@ -116,9 +116,10 @@ def check_recompute_modules(modules: Iterable[str], *, max_cp: int = 1, ep: int 
         if region.refused:
             raise _refuse(names, region.refused)
         if region.collectives and (max_cp > 1 or ep > 1):
-            raise _refuse(names, f"V4-RECOMPUTE: '{name}' recompute would enclose collectives (the balance loss's "
-                                 f"CP sums at cp={max_cp}, the expert all-to-all at ep={ep}) and replay them in "
-                                 "backward", fix="drop 'moe' and list 'shared_experts' and 'moe_act' instead, or run "
+            causes = [f"the balance loss's CP sums at cp={max_cp}"] * (max_cp > 1) + \
+                [f"the expert all-to-all at ep={ep}"] * (ep > 1)
+            raise _refuse(names, f"V4-RECOMPUTE: '{name}' recompute would enclose collectives ({' and '.join(causes)}) "
+                                 "and replay them in backward", fix="drop 'moe' and list 'shared_experts' and 'moe_act' instead, or run "
                                                  "every curriculum stage at cp=1 and ep=1")
     return names
 

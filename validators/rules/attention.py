@@ -71,9 +71,10 @@ def recompute_problem(recipe) -> tuple[str, object, str] | None:
                 "layers included), so it would recompute nothing")
     max_cp = max([p.cp, *(st.cp for st in recipe.curriculum.stages if st.cp is not None)])
     if "moe" in mods and (max_cp > 1 or p.ep > 1):
-        return ("parallel.recompute_modules", mods, f"'moe' recompute would enclose collectives (the balance loss's "
-                f"CP sums at cp={max_cp}, the expert all-to-all at ep={p.ep}) and replay them in backward; list "
-                "'shared_experts' and 'moe_act' instead")
+        causes = [f"the balance loss's CP sums at cp={max_cp}"] * (max_cp > 1) + \
+            [f"the expert all-to-all at ep={p.ep}"] * (p.ep > 1)
+        return ("parallel.recompute_modules", mods, f"'moe' recompute would enclose collectives ({' and '.join(causes)}) "
+                "and replay them in backward; list 'shared_experts' and 'moe_act' instead")
     if "shared_experts" in mods and not recipe.model.moe.n_shared_experts:
         return ("parallel.recompute_modules", mods, "'shared_experts' with model.moe.n_shared_experts=0: nothing to "
                 "recompute")

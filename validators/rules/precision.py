@@ -60,7 +60,7 @@ def check_fp32_distopt_pp(ctx: Context):
 
 
 @rule("V4-FP8-SM", fields=("precision.fp8_recipe", "cluster.gpu"), scope="recipe",
-      fix="use fp8_recipe=blockwise/delayed on SM89/SM90, mxfp8 only on SM100+, or fp8_recipe=none")
+      fix="use fp8_recipe=blockwise or delayed on SM89+ GPUs, or fp8_recipe=none (this job does not run mxfp8: V4-FP8-BUILD)")
 def check_fp8_sm(ctx: Context):
     """An FP8 recipe needs FP8 tensor cores (SM89+); mxfp8 needs SM100+ (Blackwell).
 
@@ -78,6 +78,15 @@ def check_fp8_sm(ctx: Context):
 
 FP8_ALIGNMENT = 16
 """FP8 GEMMs need in and out features that are multiples of 16 (torchao float8; the tensor cores' FP8 tile)."""
+
+
+def fp8_gemm_sizes(m) -> dict[str, int]:
+    """The in/out sizes of the GEMMs the V4 policy sends to FP8 (model/parallel/precision.py fp8_module_filter)."""
+    sizes = {"model.dim": m.dim, "model.q_lora_rank": m.q_lora_rank, "model.n_heads·head_dim": m.n_heads * m.head_dim,
+             "model.head_dim": m.head_dim, "model.o_groups·o_lora_rank": m.o_groups * m.o_lora_rank}
+    if m.moe.n_shared_experts:
+        sizes["model.moe.moe_inter_dim"] = m.moe.moe_inter_dim
+    return sizes
 
 
 @rule("V4-FP8-BUILD", fields=("precision.fp8_recipe", "model.dim", "model.q_lora_rank", "model.head_dim",
@@ -103,14 +112,9 @@ def check_fp8_build(ctx: Context):
             return ctx.na("mxfp8 below SM100: V4-FP8-SM refuses it")
         return ctx.finding("precision.fp8_recipe", fp8, "fp8_recipe=mxfp8: the bundled job runs FP8 through torchao "
                            "float8 (tensorwise / rowwise scaling); MX block formats are not wired")
-    sizes = {"model.dim": m.dim, "model.q_lora_rank": m.q_lora_rank, "model.n_heads·head_dim": m.n_heads * m.head_dim,
-             "model.head_dim": m.head_dim, "model.o_groups·o_lora_rank": m.o_groups * m.o_lora_rank}
-    if m.moe.n_shared_experts:
-        sizes["model.moe.moe_inter_dim"] = m.moe.moe_inter_dim
-    bad = {k: v for k, v in sizes.items() if v % FP8_ALIGNMENT}
+    bad = {k: v for k, v in fp8_gemm_sizes(m).items() if v % FP8_ALIGNMENT}
     if bad:
-        name, value = next(iter(bad.items()))
-        return ctx.finding(name.split("·")[0] if "·" not in name else "precision.fp8_recipe", value,
-                           f"fp8_recipe={fp8}: FP8 GEMMs need sizes that are multiples of {FP8_ALIGNMENT}, and "
-                           + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not")
-    return ctx.ok("precision.fp8_recipe", fp8, "torchao float8, sizes aligned")
+        return ctx.finding("precision.fp8_recipe", fp8, f"fp8_recipe={fp8}: FP8 GEMMs need sizes that are multiples "
+                           f"of {FP8_ALIGNMENT}, and " + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not")
+    runs_as = {"delayed": "tensorwise", "blockwise": "rowwise"}[fp8]
+    return ctx.ok("precision.fp8_recipe", fp8, f"runs as torchao float8 {runs_as} scaling; sizes aligned")
