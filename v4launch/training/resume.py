@@ -325,7 +325,10 @@ def field_items(old: Any, recipe: Any, aspects: Any, *, launcher: str, step: int
 
     ctx = {"step": step, "launcher": launcher, "target_stage": target_stage, "run_dir": run_dir}
     out = []
+    named = {i.aspect for i in aspects}
     for path, a, b in changed_fields(old, recipe_fields(recipe)):
+        if path in named:  # the aspect of the same name (parallel.ep, parallel.pp) already reports it
+            continue
         what = f"{a} → {b}"
         aspect = _decided_by(path)
         decided = [i for i in aspects if aspect and (i.aspect == aspect or i.aspect.startswith(aspect))]
