@@ -129,9 +129,11 @@ def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> Non
     OUT.console.print(f"[bold]{result.status}[/bold] at step {result.step} (stage #{result.stage_index})")
     if train:
         last = train[-1]
-        tail = train[-min(10, len(train)):]
+        same_stage = [r for r in train if r.get("stage") == last.get("stage")]
+        tail = same_stage[-min(10, len(same_stage)):]  # never mixes an earlier stage's (higher) losses in
         avg = sum(r["lm_loss"] for r in tail) / len(tail)
-        line = f"final lm loss {last['lm_loss']:.4f} nats/token (mean of the last {len(tail)} logged steps {avg:.4f})"
+        line = (f"final lm loss {last['lm_loss']:.4f} nats/token (mean of the last {len(tail)} logged steps of stage "
+                f"{last.get('stage')} {avg:.4f})")
         if entropy_nats:
             line += f" vs unigram entropy {entropy_nats:.4f} nats/token"
         OUT.console.print(line)
