@@ -11,9 +11,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-@rule("V4-MEMORY", fields=("cluster.gpu_memory_gib", "cluster.gpu", "curriculum.stages.*.seq_len",
+@rule("V4-MEMORY", fields=("cluster.gpu_memory_gib", "cluster.gpu", "cluster.nodes", "curriculum.stages.*.seq_len",
                            "curriculum.stages.*.cp", "parallel.pp", "parallel.ep", "parallel.distributed_optimizer",
-                           "parallel.micro_batch_size"),
+                           "parallel.micro_batch_size", "parallel.global_batch_size", "parallel.recompute_modules"),
       fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, or more nodes")
 def check_memory(ctx: Context):
     """The per-rank memory plan of a stage (parameters, gradients, optimizer, activations, CP buffers, loss, headroom) fits the GPU.
@@ -35,8 +35,10 @@ def check_memory(ctx: Context):
     if found:
         fix = "set " + ", or ".join(p.text() for p in found)
     elif more_nodes is not None:
+        grows = any("global_batch_size" in k for k in more_nodes.edits)
         fix = (f"set {more_nodes.text()}: nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s) "
-               "(pp, cp, ep and the distributed optimizer tried)")
+               "(pp, cp, ep and the distributed optimizer tried)" + ("; the larger global batches keep every "
+               "stage's batch divisible over the new dp, so tokens per step grow too" if grows else ""))
     else:
         fix = (f"no pp, cp, ep, distributed_optimizer or node count up to 64x fits {_gib(budget)}: shorten "
                f"curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
