@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids, describe_params
+from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids
 from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoints.stateful import ModelState, OptimizerState
 from ..data.resume_state import loader_state_for_resume
@@ -21,6 +21,7 @@ from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelM
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
+from .manifest_tables import param_group_tables
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum, recompute_names
@@ -343,7 +344,8 @@ class Runner:
         p = self.progress
         if self.last_saved is not None and self.last_saved[0] == p.step:
             return self.last_saved[1]
-        groups, summary = self._param_group_tables()
+        groups, summary = param_group_tables(self.model, self.opt, gather=self.info.active and (
+            self.dims.pp > 1 or self.dims.ep > 1))
         manifest = Manifest.for_recipe(
             self.recipe, stage_index=p.stage_index, step=p.step, tokens_consumed=p.tokens,
             parallel_sizes={"world": self.info.world, "dp": plan.dp, "cp": plan.cp, "pp": self.dims.pp, "tp": 1,
@@ -360,34 +362,6 @@ class Runner:
         self.last_saved = (p.step, path)
         self.metrics.event(p.step, "checkpoint", f"checkpoint {path.name} saved", path=str(path))
         return path
-
-    def _param_group_tables(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The optimizer groups of the WHOLE model for the manifest: (describe_params per group, opt.summary).
-
-        Under PP each pipeline rank holds other parameters, under EP each EP rank other experts: the
-        tables of the world are merged (collective), each name once, so a manifest reads the same
-        whatever the layout."""
-        names = {id(q): n for n, q in self.model.named_parameters()}
-        local = [(g["name"], [(names[id(q)], q.dtype) for q in g["params"]]) for g in self.opt.param_groups]
-        summary = self.opt.summary(self.model)
-        if self.info.active and (self.dims.pp > 1 or self.dims.ep > 1):
-            named: dict[str, dict[str, torch.dtype]] = {}
-            kinds: dict[str, str] = {}
-            for rank_local, rank_summary in gather_objects((local, summary), None):
-                for g, pairs in rank_local:
-                    named.setdefault(g, {}).update(pairs)
-                kinds.update({g: sm["optimizer"] for g, sm in rank_summary.items()})
-            local = [(g, sorted(pairs.items())) for g, pairs in named.items()]
-            summary = {}
-            for g, pairs in local:
-                dtypes: dict[str, int] = {}
-                for _, dt in pairs:
-                    key = str(dt).removeprefix("torch.")
-                    dtypes[key] = dtypes.get(key, 0) + 1
-                summary[g] = {"optimizer": kinds[g], "dtypes": dtypes, "n_params": len(pairs),
-                              "names": [n for n, _ in pairs]}
-        return {g: describe_params((n, torch.empty(0, dtype=dt, device="meta")) for n, dt in pairs)
-                for g, pairs in local}, summary
 
     def _report_peak_memory(self) -> None:
         """A ``memory`` event with every rank's peak CUDA memory of this job (GiB; one gather; none on CPU)."""
