@@ -251,8 +251,13 @@ def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> Compa
 
 def _phase_items(manifest: Manifest, recipe: Recipe, stage_index: int, phase: str, flags: set[str]) -> list[CompatItem]:
     target = recipe.curriculum.stages[stage_index]
-    out = [_item("stage", stage_index >= manifest.stage_index,
-                 f"{manifest.stage_name} (#{manifest.stage_index}) → {target.name} (#{stage_index})",
+    moved = f"{manifest.stage_name} (#{manifest.stage_index}) → {target.name} (#{stage_index})"
+    if stage_index > manifest.stage_index and manifest.stage_index < len(recipe.curriculum.stages):
+        left = recipe.curriculum.stages[manifest.stage_index].steps
+        done = int(manifest.extra.get("step_in_stage", 0))
+        if left is not None and done < left:  # an explicit --stage / --phase past an unfinished stage
+            moved += f"; skips the last {left - done} of {left} steps of {manifest.stage_name}"
+    out = [_item("stage", stage_index >= manifest.stage_index, moved,
                  f"stage #{stage_index} ({target.name}) comes before the checkpoint's stage #{manifest.stage_index} "
                  f"({manifest.stage_name})", "--allow-phase-regression", flags)]
     src, dst = PHASE_ORDER[manifest.phase], PHASE_ORDER[phase]

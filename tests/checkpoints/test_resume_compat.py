@@ -146,3 +146,14 @@ def test_a_new_indexer_only_group_is_named_not_called_the_same_groups(recipe):
     assert it.verdict == "safe"
     assert "same groups" not in it.reason and "new indexer group indexer" in it.reason
     assert "checkpoint's groups unchanged (adamw, muon)" in it.reason
+
+
+def test_jumping_past_an_unfinished_stage_says_how_many_steps_it_skips(recipe):
+    """--phase/--stage past a stage that was not finished is allowed (a forward move) and the report says what is skipped."""
+    steps = recipe.curriculum.stages[1].steps
+    manifest = manifest_for(recipe, 1, extra={"step_in_stage": 1})
+    report = run(manifest, recipe, stage=2)
+    stage = item(report, "stage")
+    assert stage.verdict == "safe" and f"skips the last {steps - 1} of {steps} steps of" in stage.reason
+    finished = run(manifest_for(recipe, 1, extra={"step_in_stage": steps}), recipe, stage=2)
+    assert "skips" not in item(finished, "stage").reason
