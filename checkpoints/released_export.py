@@ -98,6 +98,16 @@ def _stored_bytes(shape: tuple[int, ...], kind: str, quantize: bool) -> int:
     return 2 * n
 
 
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_FILE_MODE = _umask_mode()
+"""Mode of the written shards: what an ordinary file gets under this process's umask."""
+
+
 def export_released(run_dir: Path, out: Path, *, step: int | None = None, quantize: bool = False,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportResult:
     """Write the model of a run's checkpoint to ``out`` in the released format (module docstring).
@@ -152,6 +162,7 @@ def export_released(run_dir: Path, out: Path, *, step: int | None = None, quanti
             for n in names:
                 tensors.update(_stored(n, target.pop(n), quantize))
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            os.chmod(tmp / file, _FILE_MODE)  # safetensors writes 0600; the index and config.json follow the umask
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update({n: file for n in tensors})
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

@@ -103,6 +103,8 @@ def test_bf16_export_reimports_exactly_and_is_stable(tmp_path, run_with_checkpoi
     result = export_released(run, tmp_path / "bf16", max_shard_bytes=60_000)
     assert result.step == 7 and result.n_files > 1 and not result.quantized
     index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "bf16").iterdir()}
+    assert len(set(modes.values())) == 1, f"shards, index and config.json get the same permissions: {modes}"
     for name, file in index["weight_map"].items():
         with safe_open(str(tmp_path / "bf16" / file), "pt") as f:
             dtype = f.get_slice(name).get_dtype()
