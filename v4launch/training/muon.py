@@ -125,55 +125,60 @@ class Muon(torch.optim.Muon):
     def step(self, closure=None):
         """One Muon step over every group (see the module docstring); returns ``closure()`` if given.
 
-        Matrices of one group with the same shape are orthogonalised together (one stacked Newton–Schulz,
-        :func:`newton_schulz`), in stacks of at most :attr:`stack_elements` elements so the gathered
-        updates of a sharded model never all live at once; each matrix's result is its own.
+        Parameters go in chunks of at most :attr:`stack_elements` update elements (so the gathered
+        updates of a sharded model never all live at once). Per chunk: the momentum of every matrix in
+        one ``torch._foreach_lerp_`` (and one out-of-place lerp for Nesterov), Newton–Schulz per
+        same-shape stack (:func:`newton_schulz` on [n, A, B]), and the decay and update of each stack's
+        matrices in one ``_foreach_mul_`` / ``_foreach_add_``. Each matrix's result is its own: the
+        same elementwise ops and the same per-matrix iteration as one matrix at a time.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr = float(group["lr"])
-            pending: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            chunk: list[torch.Tensor] = []
             held = 0
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise RuntimeError("Muon supports dense real parameters only")
-                whole = self._momentum(p, group)
-                pending.setdefault((tuple(whole.shape), whole.device), []).append((p, whole))
-                held += whole.numel()
+                chunk.append(p)
+                held += p.numel()
                 if held >= self.stack_elements:
-                    self._orthogonalise_and_apply(pending, group, lr)
-                    pending, held = {}, 0
-            self._orthogonalise_and_apply(pending, group, lr)
+                    self._step_chunk(chunk, group)
+                    chunk, held = [], 0
+            if chunk:
+                self._step_chunk(chunk, group)
         return loss
 
     stack_elements: int = 1 << 26
-    """Upper bound on the update elements held for one stacked Newton–Schulz (64 Mi: 256 MiB in float32)."""
+    """Upper bound on the update elements held for one chunk of the step (64 Mi: 256 MiB in float32)."""
 
-    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """Steps 1-2: momentum on this rank's shard, then the whole (gathered) update [A, B]."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+    def _step_chunk(self, params: list[torch.Tensor], group: dict) -> None:
+        """Steps 1-5 for ``params`` (all with gradients): momentum, whole updates, Newton–Schulz, update."""
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        grads = [_local(p.grad) for p in params]
+        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-        return _whole(update, p)
-
-    def _orthogonalise_and_apply(self, pending: dict, group: dict, lr: float) -> None:
-        """Steps 3-5 for every pending matrix: Newton–Schulz per same-shape stack, this rank's rows, the update."""
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        stacks: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p, update in zip(params, updates):
+            whole = _whole(update, p)
+            stacks.setdefault((tuple(whole.shape), whole.device), []).append((p, whole))
+        lr = float(group["lr"])
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-        for items in pending.values():
+        for items in stacks.values():
             if len(items) == 1:
                 orthos = [newton_schulz(items[0][1], *args)]
             else:
                 orthos = newton_schulz(torch.stack([w for _, w in items]), *args).unbind(0)
-            for (p, _), ortho in zip(items, orthos):
-                param = _local(p)
-                param.mul_(1 - lr * group["weight_decay"])
-                param.add_(_my_shard(ortho, p), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            locals_ = [_local(p) for p, _ in items]
+            torch._foreach_mul_(locals_, 1 - lr * group["weight_decay"])
+            shape = items[0][0].shape  # same global shape: one adjusted learning rate for the stack
+            torch._foreach_add_(locals_, [_my_shard(o, p) for (p, _), o in zip(items, orthos)],
+                                alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
