@@ -98,15 +98,20 @@ def teardown(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+def _shard_size(world: int, pp: int) -> int:
+    """S = world / pp, the ranks of one pipeline rank. Raises ValueError when pp does not divide world."""
+    if pp < 1 or world % pp:
+        raise ValueError(f"pp={pp} does not divide the world size {world}")
+    return world // pp
+
+
 def cp_group_ranks(world: int, cp: int, pp: int = 1) -> list[list[int]]:
     """The CP groups of a stage: ``[[p*S + d*cp + c for c in range(cp)] for p, d]`` with ``S = world / pp``.
 
     Raises:
         ValueError: ``pp`` does not divide ``world`` or ``cp`` does not divide ``S``.
     """
-    if pp < 1 or world % pp:
-        raise ValueError(f"pp={pp} does not divide the world size {world}")
-    S = world // pp
+    S = _shard_size(world, pp)
     if cp < 1 or S % cp:
         raise ValueError(f"cp={cp} does not divide the world size {world}" if pp == 1 else
                          f"cp={cp} does not divide the {S} ranks of a pipeline rank (world {world} / pp {pp})")
@@ -115,9 +120,7 @@ def cp_group_ranks(world: int, cp: int, pp: int = 1) -> list[list[int]]:
 
 def pipeline_group_ranks(world: int, pp: int) -> list[list[int]]:
     """The pipeline groups: ``[[p*S + j for p in range(pp)] for j in range(S)]`` with ``S = world / pp``."""
-    if pp < 1 or world % pp:
-        raise ValueError(f"pp={pp} does not divide the world size {world}")
-    S = world // pp
+    S = _shard_size(world, pp)
     return [[p * S + j for p in range(pp)] for j in range(S)]
 
 
@@ -133,9 +136,7 @@ def ep_group_ranks(world: int, ep: int, pp: int = 1) -> tuple[list[list[int]], l
     Raises:
         ValueError: ``pp`` does not divide ``world`` or ``ep`` does not divide ``S``.
     """
-    if pp < 1 or world % pp:
-        raise ValueError(f"pp={pp} does not divide the world size {world}")
-    S = world // pp
+    S = _shard_size(world, pp)
     if ep < 1 or S % ep:
         raise ValueError(f"ep={ep} does not divide the {S} ranks of a pipeline rank (world {world} / pp {pp})")
     ep_groups = [[p * S + j * ep + i for i in range(ep)] for p in range(pp) for j in range(S // ep)]
@@ -215,35 +216,18 @@ class Groups:
         self.pp_rank = info.rank // self.shard_size
         self.pipe_group = self.shard_group = None
         if pp > 1:  # collective: same groups, same order on every rank
-            for ranks in pipeline_group_ranks(info.world, pp):
-                group = dist.new_group(ranks)
-                if info.rank in ranks:
-                    self.pipe_group = group
-            for p in range(pp):
-                ranks = list(range(p * self.shard_size, (p + 1) * self.shard_size))
-                group = dist.new_group(ranks)
-                if info.rank in ranks:
-                    self.shard_group = group
+            S = self.shard_size
+            self.pipe_group = _create_groups(pipeline_group_ranks(info.world, pp), info.rank)
+            self.shard_group = _create_groups([list(range(p * S, (p + 1) * S)) for p in range(pp)], info.rank)
         self.ep_rank = (info.rank % self.shard_size) % ep
         self.ep_group = self.edp_group = None
-        if ep > 1:  # collective, like the groups above
+        if ep > 1:
             ep_groups, edp_groups = ep_group_ranks(info.world, ep, pp)
-            for ranks in ep_groups:
-                group = dist.new_group(ranks)
-                if info.rank in ranks:
-                    self.ep_group = group
-            for ranks in edp_groups:
-                group = dist.new_group(ranks)
-                if info.rank in ranks:
-                    self.edp_group = group
+            self.ep_group = _create_groups(ep_groups, info.rank)
+            self.edp_group = _create_groups(edp_groups, info.rank)
         self._hooks: dict[int, Any] = {1: SINGLE_DEVICE}
         for cp in sorted(set(cp_sizes) - {1}):
-            mine = None
-            for ranks in cp_group_ranks(info.world, cp, pp):
-                group = dist.new_group(ranks)
-                if info.rank in ranks:
-                    mine = group
-            self._hooks[cp] = ContextParallelGroup(mine)
+            self._hooks[cp] = ContextParallelGroup(_create_groups(cp_group_ranks(info.world, cp, pp), info.rank))
 
     def layout(self, cp: int) -> Layout:
         """This rank's layout for a stage of CP size ``cp`` (one of ``cp_sizes``)."""
@@ -254,6 +238,17 @@ class Groups:
                       hooks=self._hooks[cp], pp=self.pp, pp_rank=self.pp_rank, shard_group=self.shard_group,
                       pipe_group=self.pipe_group, ep=self.ep, ep_rank=self.ep_rank, ep_group=self.ep_group,
                       edp_group=self.edp_group)
+
+
+def _create_groups(rank_lists: list[list[int]], rank: int) -> Any:
+    """``dist.new_group`` for every list (collective: every rank of the world calls it with the same lists,
+    in the same order); returns the group holding ``rank`` (None if none does)."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def fill_missing_grads(params: list[torch.Tensor]) -> None:
