@@ -3,13 +3,7 @@
 # checkpoints, logging) and the one-GPU rows of benchmarks/layouts_gpu.py (float32 truth and bf16).
 # Packages travel as cp312 wheels in .whl/. Writes bench_h200_run.log and layouts_h200x1.{json,txt} under $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "install of v4launch failed"
-export PYTHONPATH=/tmp/site
-nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source "$(dirname "$0")/device_setup.sh"
 mkdir -p /tmp/ws/.v4launch && cd /tmp/ws
 timeout ${RUN_TIMEOUT:-300} python3 -m v4launch run $REPO/recipes/bench_h200.yaml --no-progress \
     curriculum.stages.0.steps=20 curriculum.stages.1.steps=6 curriculum.stages.2.steps=20 > $OUT/bench_h200_run.log 2>&1

@@ -3,13 +3,7 @@
 # launcher needs travel as cp312 wheels in .whl/). Writes under $OUT: layouts_h200x2.json / .txt
 # (benchmarks/layouts_gpu.py) and flash_debug_h200x2.log (a phase change and a stop/resume over NCCL).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REPO=$PWD
-pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "install of v4launch failed"
-export PYTHONPATH=/tmp/site
-nvidia-smi -L; git log -1 --format='commit %h %s' 2>/dev/null
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+source "$(dirname "$0")/device_setup.sh"
 timeout ${LAYOUT_TIMEOUT:-380} python3 benchmarks/layouts_gpu.py --gpus 2 --steps ${STEPS:-8} ${ONLY:+--only $ONLY} \
     --out $OUT/layouts_h200x2.json 2>&1 | tee $OUT/layouts_h200x2.txt
 mkdir -p /tmp/fdws/.v4launch && cd /tmp/fdws
