@@ -18,6 +18,7 @@ indexer parameters).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -79,33 +80,42 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, expert_pa
 
     Args:
         params: every parameter this rank optimises (gradients None are skipped).
-        max_norm: the clip threshold (``optimizer.grad_clip``); ``inf`` only measures.
+        max_norm: the clip threshold (``optimizer.grad_clip``); ``inf`` only measures (no scaling).
     Returns: the norm, a 0-d float32 tensor (float64 if a gradient is), the same on every rank.
+    Cost: ``torch._foreach_norm`` / ``_foreach_mul_`` (one launch per kind and dtype, not per
+    parameter) and one 0-d all-reduce per group given.
     """
     experts = set(expert_params) if ep_group is not None else set()
     grads = [(p, p.grad) for p in params if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for _, g in grads) else torch.float32
     device = grads[0][1].device if grads else torch.device("cpu")
-    sharded, plain, expert = (torch.zeros((), dtype=dtype, device=device) for _ in range(3))
-    mesh = None
-    for p, g in grads:
-        if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            sharded += g.to_local().to(dtype).square().sum()
-        elif p in experts:
-            expert += g.to(dtype).square().sum()
-        else:
-            plain += g.to(dtype).square().sum()
+    sharded = [g.to_local() for _, g in grads if isinstance(g, DTensor)]
+    expert = [g for p, g in grads if not isinstance(g, DTensor) and p in experts]
+    plain = [g for p, g in grads if not isinstance(g, DTensor) and p not in experts]
+    sq = {kind: _square_norm(ts, dtype, device) for kind, ts in (("sharded", sharded), ("expert", expert),
+                                                                  ("plain", plain))}
+    mesh = next((g.device_mesh for _, g in grads if isinstance(g, DTensor)), None)
     if mesh is not None:
-        dist.all_reduce(sharded, group=mesh.get_group())
+        dist.all_reduce(sq["sharded"], group=mesh.get_group())
     if ep_group is not None:
-        dist.all_reduce(expert, group=ep_group)
-    total = sharded + plain + expert
+        dist.all_reduce(sq["expert"], group=ep_group)
+    total = sq["sharded"] + sq["plain"] + sq["expert"]
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for _, g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(scale.to(local.dtype))
+    if math.isfinite(max_norm):  # with no threshold the scale is exactly 1: nothing to multiply
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in sharded + expert + plain:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dt, ts in by_dtype.items():
+            torch._foreach_mul_(ts, scale.to(dt))
     return norm
+
+
+def _square_norm(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Σ ‖t‖² over ``tensors`` as a 0-d ``dtype`` tensor (foreach norms, one launch per dtype; 0 when empty)."""
+    if not tensors:
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch._foreach_norm([t.to(dtype) for t in tensors] if dtype == torch.float64 else tensors)
+    return torch.stack([n.to(dtype) for n in norms]).square().sum()

@@ -2,7 +2,8 @@
 
 ``parallelize(model, dims, groups, device) -> ParallelModel`` takes the ``V4Model`` every rank
 built identically (same seed) and returns what this rank runs. Order, fixed (torchtitan's
-``parallelize_deepseekv3``): expert parallel → pipeline split → FSDP → CP hooks. The model
+``parallelize_deepseekv3``): expert parallel → pipeline split → FP8 GEMMs and selective recompute
+per part → FSDP → CP hooks. The model
 files stay single-device; every step here changes module structure or installs hooks from
 outside.
 """
@@ -17,7 +18,7 @@ import torch
 from ..model import V4Model
 from .base import SINGLE_DEVICE, ContextParallel
 from .expert import apply_expert_parallel
-from .fsdp import apply_fsdp, routed_expert_params, shard_mesh
+from .fsdp import apply_fsdp, routed_expert_params, set_divide_factor, shard_mesh
 from .precision import apply_fp8
 from .recompute import apply_recompute
 from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
@@ -94,11 +95,6 @@ class ParallelModel:
     fp8_modules: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
 
-    @property
-    def schedule(self) -> Any:
-        """The training schedule's owner (:class:`PipelineParallel`), or None when pp = 1."""
-        return self.pipeline
-
     def _all(self) -> list[V4Model]:
         return [self.model] + [p for p in self.parts if p is not self.model]
 
@@ -108,8 +104,6 @@ class ParallelModel:
         for m in self._all():
             m.cp = hooks
         if self.sharded and dp is not None:
-            from .fsdp import set_divide_factor
-
             set_divide_factor(self.parts, dp)
 
     def reshard(self) -> None:
@@ -143,14 +137,6 @@ class ParallelModel:
         for m in self._all():
             m.set_kernel_backend(name)
 
-    def train(self, mode: bool = True) -> None:
-        """Training / evaluation mode of the model and every part."""
-        for m in self._all():
-            m.train(mode)
-
-    def update_router_bias(self, speed: float) -> None:
-        """Router bias step of this rank's MoE layers (expert counts already summed over the S group)."""
-        self.model.update_router_bias(speed)
 
 
 def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, device: torch.device,

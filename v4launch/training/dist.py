@@ -26,7 +26,7 @@ gives ``(1/dp) Σ_d G[d] = (1/dp) Σ_d Σ_c g[d][c] = (1/dp) Σ_S g``, the same 
 the S group. (DP groups are therefore never built.) Scalars the model returns replicated on
 every CP rank (all losses) average to their DP mean over the S group: ``Σ_S x / S = Σ_d
 cp·x[d] / (dp·cp)``. Each pipeline rank holds other parameters, so its S group reduces only
-them; the gradient norm sums the squared norms of the pipeline ranks (:func:`global_grad_norm`).
+them; the gradient norm sums the squared norms of the pipeline ranks (``data_parallel.clip_grad_norm``).
 Instead of DDP (whose buckets would have to be rebuilt when a phase change adds the indexer
 parameters) this is one flat all-reduce per step with a fixed order.
 """
@@ -271,19 +271,6 @@ def average_grads(params: list[torch.Tensor], info: DistInfo, dp: int | None = N
     from ..model.parallel.data_parallel import reduce_gradients
 
     reduce_gradients(params, group, info.world if dp is None else dp)
-
-
-def global_grad_norm(params: list[torch.Tensor], pipe_group: Any) -> torch.Tensor:
-    """L2 norm of the gradients of the WHOLE model: ``sqrt(Σ_pipeline ranks |g_p|²)``.
-
-    Call after :func:`average_grads`, when every rank of an S group holds the same gradients;
-    ``pipe_group`` has one rank per pipeline rank. 0-d float64 tensor on the gradients' device.
-    """
-    local = torch.nn.utils.get_total_norm([p.grad for p in params]).to(torch.float64) if params else \
-        torch.zeros((), dtype=torch.float64)
-    sq = local.square().reshape(1)
-    dist.all_reduce(sq, group=pipe_group)
-    return sq.sqrt().reshape(())
 
 
 def sum_tensors(tensors: list[torch.Tensor], info: DistInfo, group: Any = None) -> None:

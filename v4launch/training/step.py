@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from ..model.common import to_host
-from .dist import (DistInfo, Layout, average_grads, fill_missing_grads, global_grad_norm, mean_scalars, merge_over,
-                   sum_tensors)
+from ..model.parallel.data_parallel import clip_grad_norm, reduce_gradients
+from .dist import DistInfo, Layout, average_grads, fill_missing_grads, mean_scalars, merge_over, sum_tensors
 from .optim import Optimizers
 
 AUX_KINDS = ("indexer_kl", "balance", "mtp")
@@ -182,8 +182,6 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     model.train()
     if pipeline is None:
         sums, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
-        if not (experts or sharded):
-            layout = None
     else:
         batches = list(micro_batches)
         if len(batches) != accum:
@@ -212,27 +210,19 @@ def _reduce_and_clip(params: list[torch.Tensor], info: DistInfo, layout: Layout 
                      max_norm: float, experts: frozenset, sharded: bool) -> torch.Tensor:
     """Gradients to ``(1/dp) · Σ_S g`` (docs/parallelism.md "Rank grid"), then the global-norm clip.
 
-    Unsharded parameters: one flat all-reduce over the S group; routed experts under EP: over the
-    edp group (the ranks holding the same experts); FSDP-sharded ones were reduce-scattered by the
-    backward. The norm sums sharded squares over their mesh, expert squares over the EP group and
-    every pipeline rank's share (``data_parallel.clip_grad_norm``). Returns the norm (0-d tensor).
+    Unsharded parameters: one flat all-reduce over the S group (the world when pp = 1); routed experts
+    under EP: over the edp group (the ranks holding the same experts); FSDP-sharded ones were
+    reduce-scattered by the backward. The norm sums sharded squares over their mesh, expert squares
+    over the EP group and every pipeline rank's share (``data_parallel.clip_grad_norm``).
+    Returns: the norm (0-d tensor, the same on every rank).
     """
     group = layout.shard_group if layout is not None else None
-    if not (experts or sharded):
-        average_grads(params, info, dp=dp, group=group)
-        if layout is not None and layout.pipe_group is not None:
-            norm = global_grad_norm(params, layout.pipe_group)
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            return norm
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    from ..model.parallel.data_parallel import clip_grad_norm, reduce_gradients
-
     if not sharded:
         average_grads([p for p in params if p not in experts], info, dp=dp, group=group)
     if experts:
         reduce_gradients([p for p in params if p in experts], layout.edp_group, dp)
     return clip_grad_norm(params, max_norm, expert_params=experts, ep_group=layout.ep_group if experts else None,
-                          pp_group=layout.pipe_group)
+                          pp_group=layout.pipe_group if layout is not None else None)
 
 
 @torch.no_grad()
