@@ -54,6 +54,10 @@ def read_config(directory: Path) -> dict[str, Any]:
     Raises:
         ReleasedCheckpointError: missing or unparsable file.
     """
+    if not Path(directory).is_dir():
+        raise ReleasedCheckpointError(f"{directory}: no such directory",
+                                      hint="pass the released checkpoint's directory (config.json, "
+                                           "model.safetensors.index.json and the shards)")
     path = Path(directory) / CONFIG_NAME
     try:
         data = json.loads(path.read_text())
@@ -79,7 +83,7 @@ def config_args(config: Mapping[str, Any], source: Path) -> tuple[ModelArgs, set
     _check_quantization(config, source)
     try:
         args = ModelArgs.from_released_config(config)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a section that is not an object
         raise ReleasedCheckpointError(f"{source}: {exc}", hint="this v4launch reads the April DeepSeek-V4 release's "
                                       "config.json keys (reference/v4-model-spec.md §1)") from None
     present = {f.name for f in dataclasses.fields(ModelArgs)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from .base import Manifest
@@ -99,13 +100,10 @@ def _stored_bytes(shape: tuple[int, ...], kind: str, quantize: bool) -> int:
 
 
 def _umask_mode() -> int:
+    """The mode an ordinary new file gets under this process's umask (read by setting it back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
-
-
-_FILE_MODE = _umask_mode()
-"""Mode of the written shards: what an ordinary file gets under this process's umask."""
 
 
 def export_released(run_dir: Path, out: Path, *, step: int | None = None, quantize: bool = False,
@@ -132,7 +130,12 @@ def export_released(run_dir: Path, out: Path, *, step: int | None = None, quanti
         raise ReleasedCheckpointError(f"{out} already exists", hint="choose a new output directory (or delete it)")
     ckpt = find_checkpoint(run_dir, step)
     manifest = Manifest.read(ckpt)
-    recipe = Recipe.model_validate(manifest.recipe)
+    try:
+        recipe = Recipe.model_validate(manifest.recipe)
+    except ValidationError:
+        raise ReleasedCheckpointError(f"checkpoint {ckpt}: its manifest holds no complete recipe (written by an "
+                                      "older v4launch), so the model to export is unknown",
+                                      hint="export a checkpoint written by this v4launch version") from None
     args = model_args_from_recipe(recipe)
     expected = model_tensors(args, with_indexer=bool(manifest.indexer_layers))
     stored = _checkpoint_model_keys(ckpt)
@@ -147,6 +150,7 @@ def export_released(run_dir: Path, out: Path, *, step: int | None = None, quanti
                 raise ReleasedCheckpointError(f"{name}: shape {list(shape)} cannot be stored as FP4 (1x32 blocks need "
                                               "an input width divisible by 32)", hint="export without --quantize")
     shards = _group(expected, quantize, max_shard_bytes)
+    file_mode = _umask_mode()
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -162,7 +166,7 @@ def export_released(run_dir: Path, out: Path, *, step: int | None = None, quanti
             for n in names:
                 tensors.update(_stored(n, target.pop(n), quantize))
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-            os.chmod(tmp / file, _FILE_MODE)  # safetensors writes 0600; the index and config.json follow the umask
+            os.chmod(tmp / file, file_mode)  # safetensors writes 0600; the index and config.json follow the umask
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update({n: file for n in tensors})
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

@@ -45,7 +45,6 @@ aux-loss-free balancing (``MoE.expert_counts``) are counted once per forward, no
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -160,19 +159,13 @@ _RECOMPUTE_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
 def _checkpointing(base: type, name: str, moe: bool) -> Callable:
     """A method that runs ``base.<name>`` (looked up at each call) under a non-reentrant checkpoint.
 
-    ``moe``: the MoE forward: refuse a CP group of size > 1 (its region would enclose the balance
-    loss's CP sums) and replay with ``training`` off (the expert counts are counted once).
+    ``moe``: the MoE forward: replay with ``training`` off (the expert counts are counted once). A
+    ``moe`` region at cp > 1 or ep > 1 is refused once, by :func:`check_recompute_modules` (max_cp, ep).
     """
 
     @functools.wraps(getattr(base, name))
     def run(self, *args, **kwargs):
         method = getattr(base, name)
-        if moe:
-            cp = inspect.signature(method).bind(self, *args, **kwargs).arguments.get("cp")
-            if cp is not None and getattr(cp, "size", 1) > 1:
-                raise ValueError(f"{FIELD} contains 'moe' and this forward runs at cp={cp.size}: V4-RECOMPUTE: the "
-                                 "MoE region would enclose the balance loss's CP sums. Fix: drop 'moe' (list "
-                                 "shared_experts and moe_act instead), or pass the run's max_cp to apply_recompute.")
         calls = [0]
 
         def body(*a, **k):

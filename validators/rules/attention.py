@@ -69,7 +69,7 @@ def recompute_problem(recipe) -> tuple[str, object, str] | None:
     if "mlp" in mods:
         return ("parallel.recompute_modules", mods, "'mlp' recomputes a dense MLP; every V4 FFN is a MoE (hash "
                 "layers included), so it would recompute nothing")
-    max_cp = max([p.cp, *(st.cp for st in recipe.curriculum.stages if st.cp is not None)])
+    max_cp = max(recipe.stage_cp(st) for st in recipe.curriculum.stages)  # as the job's planner (plan.py)
     if "moe" in mods and (max_cp > 1 or p.ep > 1):
         causes = [f"the balance loss's CP sums at cp={max_cp}"] * (max_cp > 1) + \
             [f"the expert all-to-all at ep={p.ep}"] * (p.ep > 1)

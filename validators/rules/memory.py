@@ -13,7 +13,9 @@ def _gib(n: int) -> str:
 
 @rule("V4-MEMORY", fields=("cluster.gpu_memory_gib", "cluster.gpu", "cluster.nodes", "curriculum.stages.*.seq_len",
                            "curriculum.stages.*.cp", "parallel.pp", "parallel.ep", "parallel.distributed_optimizer",
-                           "parallel.micro_batch_size", "parallel.global_batch_size", "parallel.recompute_modules"),
+                           "parallel.micro_batch_size", "parallel.global_batch_size", "parallel.recompute_modules",
+                           "parallel.recompute_granularity", "parallel.pp_layout", "precision.keep_fp32_params",
+                           "curriculum.stages.*.global_batch_size"),
       fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, or more nodes")
 def check_memory(ctx: Context):
     """The per-rank memory plan of a stage (parameters, gradients, optimizer, activations, CP buffers, loss, headroom) fits the GPU.
