@@ -105,3 +105,19 @@ def test_blend_holds_out_documents_of_every_prefix(tmp_path, make_dataset):
     trained = {(s, int(d)) for s, ids in enumerate(train._docs.doc_ids) for d in ids}
     assert len(held) == 6 and not held & trained and len(trained) == 24
     assert sum(b.num_docs for b in valid.evaluation_batches()) == 6
+
+
+def test_a_blend_never_overwrites_the_metadata_of_another_dataset(tmp_path, make_dataset):
+    """Prepared again with other weights at the same prefix, the blend is refused and the old P.json is kept;
+    the same blend is reused."""
+    ds, prefixes = _blend(tmp_path, make_dataset)
+    meta = tmp_path / "meta" / "blend.json"
+    before = meta.read_text()
+    again = prepare_dataset(DataConfig(source="blend", blend=tuple({"weight": w, "prefix": str(p)}
+                                                                   for w, p in zip((3.0, 1.0), prefixes)),
+                                       validation_fraction=0.0), ByteTokenizer(), out_prefix=tmp_path / "meta" / "blend")
+    assert again.reused and again.key == ds.key
+    other = DataConfig(source="blend", blend=tuple({"weight": w, "prefix": str(p)} for w, p in zip((1.0, 1.0), prefixes)))
+    with pytest.raises(DataError, match="prepared from other inputs"):
+        prepare_dataset(other, ByteTokenizer(), out_prefix=tmp_path / "meta" / "blend")
+    assert meta.read_text() == before

@@ -227,7 +227,7 @@ def _prepare_in_cache(data_cfg: DataConfig, tokenizer: ByteTokenizer, workspace:
         except OSError:
             if not Path(f"{final}.json").is_file():  # not a concurrent preparation that won the race
                 raise
-            return _reused(final)
+            return _reused(read_dataset(final))
         return ds
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -258,24 +258,36 @@ def prepare_dataset(data_cfg: DataConfig, tokenizer: ByteTokenizer, out_prefix: 
         from .blend import prepare_blend
 
         meta = Path(explicit).expanduser().absolute() if explicit else default_prefix(workspace or Workspace.current(), key)
-        if Path(f"{meta}.json").is_file() and json.loads(Path(f"{meta}.json").read_text()).get("key") == key:
-            return _reused(meta)
+        if (ds := _prepared_here(meta, key)) is not None:
+            return _reused(ds)
         return prepare_blend(data_cfg, tokenizer, meta, key)
     if explicit is None:
         workspace = workspace or Workspace.current()
         final = default_prefix(workspace, key)
         if Path(f"{final}.json").is_file():
-            return _reused(final)
+            return _reused(read_dataset(final))
         return _prepare_in_cache(data_cfg, tokenizer, workspace, key)
     explicit = Path(explicit).expanduser().absolute()
-    if Path(f"{explicit}.json").is_file():
-        existing = PreparedDataset.read(explicit)
-        if existing.key == key:
-            return _reused(explicit)
-        raise DataError(f"{explicit}.json describes a dataset prepared from other inputs (key {existing.key[:12]}, "
-                        f"now {key[:12]})", hint="choose another prefix (--out / data.prefix) or delete the old files")
+    if (ds := _prepared_here(explicit, key)) is not None:
+        return _reused(ds)
     explicit.parent.mkdir(parents=True, exist_ok=True)
     return _prepare_at(data_cfg, tokenizer, explicit, key)
+
+
+def _prepared_here(prefix: Path, key: str) -> Any:
+    """The dataset ``prefix.json`` describes when it was prepared from these inputs (``key``), None when there is none.
+
+    Raises:
+        DataError: ``prefix.json`` describes a dataset prepared from other inputs (never overwritten), or
+            cannot be read (:func:`read_dataset`).
+    """
+    if not Path(f"{prefix}.json").is_file():
+        return None
+    existing = read_dataset(prefix)
+    if existing.key == key:
+        return existing
+    raise DataError(f"{prefix}.json describes a dataset prepared from other inputs (key {existing.key[:12]}, "
+                    f"now {key[:12]})", hint="choose another prefix (--out / data.prefix) or delete the old files")
 
 
 def _prepare_at(data_cfg: DataConfig, tokenizer: ByteTokenizer, prefix: Path, key: str) -> PreparedDataset:
@@ -300,19 +312,23 @@ def read_dataset(prefix: Path) -> Any:
     """The dataset described by ``prefix``.json: a ``PreparedDataset``, or a ``blend.BlendDataset``.
 
     Raises:
-        DataError: as ``PreparedDataset.read``.
+        DataError: as ``PreparedDataset.read``; a blend's metadata that does not parse.
     """
     try:
-        kind = json.loads(Path(f"{prefix}.json").read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        kind = None
-    if kind == "blend":
+        data = json.loads(Path(f"{prefix}.json").read_text())
+    except (OSError, ValueError):
+        data = None
+    if isinstance(data, dict) and data.get("kind") == "blend":
         from .blend import BlendDataset
 
-        return BlendDataset.from_dict(json.loads(Path(f"{prefix}.json").read_text()))
+        try:
+            return BlendDataset.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"{prefix}.json: a blend's metadata that does not parse ({exc!r})",
+                            hint="delete it and run `v4launch data prepare` again") from None
     return PreparedDataset.read(prefix)
 
 
-def _reused(prefix: Path) -> Any:
-    ds = read_dataset(prefix)
+def _reused(ds: Any) -> Any:
+    """``ds`` marked as reused (nothing was written)."""
     return type(ds)(**{**ds.__dict__, "reused": True})
