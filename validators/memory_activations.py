@@ -35,6 +35,9 @@ Per decoder / MTP layer and token (bytes), by region (the names ``parallel.recom
   20·I (recomputed: its bf16 inputs 2·a·I), its bf16 output a·I and the gathered expert output a·d;
   the shared expert 20·I + a·I (``moe_act``: 3·a·I; ``shared_experts`` recomputed: 0); ``moe``
   recomputed: the whole MoE keeps its input a·d only.
+* whole layer (granularity ``full``): the layer keeps its input streams a·hc·d only; in backward one layer
+  at a time is re-run, holding the figures above (with its compressed KV, top-k and bf16 weight copies)
+  as a transient.
 
 Outside the layers: the embedding's fp32 streams (+ (4 - a)·hc·d on the first layer) and the MTP
 embeddings 4·depth·d; the head keeps the hc_head input copy 4·hc·d, the final norm 8d and the
@@ -52,8 +55,6 @@ from .schema.model import ModelConfig
 KERNEL_DS_CAP_BYTES = 2 * (1 << 30)
 """The fused attention backward's dS buffer is capped at 2 GiB per query chunk (docs/kernels.md)."""
 
-RECOMPUTE_REGIONS = ("layernorm", "mla_up_proj", "moe_act", "shared_experts", "moe")
-"""``parallel.recompute_modules`` names whose regions this model recomputes (core_attn and mlp are refused)."""
 
 
 def layer_bytes_per_token(m: ModelConfig, ratio: int, phase: str, *, kernels: bool, act: int, topk: int,
@@ -102,6 +103,12 @@ def _moe_bytes(m: ModelConfig, a: int, recompute: frozenset[str]) -> float:
     routed = e.n_activated_experts * (2 * a * d + act + a * e.moe_inter_dim)
     shared = 0 if "shared_experts" in recompute else e.n_shared_experts * (act + a * e.moe_inter_dim)
     return float(a * d + 8 * e.n_routed_experts + routed + shared)
+
+
+def block_input_bytes_per_token(m: ModelConfig, act: int) -> float:
+    """What a layer keeps under whole-layer recompute (granularity ``full``): its input streams [hc, d]
+    (the checkpoint's saved input; the first layer's fp32 streams are counted by the embedding's term)."""
+    return float(act * m.mhc.hc_mult * m.dim)
 
 
 def head_bytes_per_token(m: ModelConfig, act: int) -> float:

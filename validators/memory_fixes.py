@@ -7,8 +7,9 @@ the memory plan of the stage with them. Tried in order, each on its own, the sma
 2. more expert parallelism (``parallel.ep``): fewer routed experts per rank;
 3. the distributed optimizer (``parallel.distributed_optimizer=true``): dense state sharded over dp·cp;
 4. more pipeline ranks (``parallel.pp`` with a balanced ``parallel.pp_layout``): fewer layers per rank;
-5. selective recompute (``parallel.recompute_modules``) of every region the job recomputes;
-6. all of the above together; then the same on 2, 4, … 64 times the nodes (``cluster.nodes``).
+5. selective recompute (``parallel.recompute_modules``) of every region without collectives, then
+   whole-layer recompute (``parallel.recompute_granularity=full``);
+6. all of the above together (whole-layer recompute included); then the same on 2, 4, … 64 times the nodes (``cluster.nodes``).
 
 Every proposal keeps the other rules satisfied where they depend on the same sizes (cp divides the pipeline
 rank's ranks and the sequence into slices of at least the boundary width, ep divides the experts and
@@ -24,7 +25,11 @@ from typing import Any
 from . import derived
 from .cost_model import propose_layout, unit_costs
 from .memory_plan import MemoryPlan, PlanUnavailable, memory_plan
+from .recompute_policy import SELECTIVE_ALL
 from .schema.recipe import Recipe
+
+FULL_RECOMPUTE = {"parallel.recompute_granularity": "full", "parallel.recompute_modules": []}
+"""Whole-layer recompute: each layer keeps only its input streams (``recompute_policy``)."""
 
 MAX_NODE_SCALE = 64
 """Largest multiple of the recipe's nodes a proposal considers."""
@@ -140,6 +145,8 @@ def _combined(recipe: Recipe, index: int, nodes: int) -> dict[str, Any] | None:
     the global batches grow with the node count where a stage's dp would no longer divide them."""
     changes = _single_changes(recipe, index, nodes)
     merged: dict[str, Any] = {} if nodes == recipe.cluster.nodes else {"cluster.nodes": nodes}
+    if recipe.parallel.recompute_granularity != "full":
+        merged.update(FULL_RECOMPUTE)
     for edits in changes:  # later (larger) values of the same key win: cp and ep are tried in increasing order
         if "parallel.pp" not in edits:
             merged.update(edits)
@@ -191,10 +198,10 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> tuple[list[Prop
 
 
 def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:
-    """Selective recompute of every region the job recomputes (``moe`` left out: refused at cp > 1 or ep > 1)."""
-    from .memory_activations import RECOMPUTE_REGIONS
-
-    names = [n for n in RECOMPUTE_REGIONS if n != "moe"]
-    if set(names) <= set(recipe.parallel.recompute_modules):
+    """Selective recompute of every region without collectives, then whole-layer recompute (``full``)."""
+    p = recipe.parallel
+    if p.recompute_granularity == "full":
         return []
-    return [{"parallel.recompute_granularity": "selective", "parallel.recompute_modules": names}]
+    out = [] if set(SELECTIVE_ALL) <= set(p.recompute_modules) else [
+        {"parallel.recompute_granularity": "selective", "parallel.recompute_modules": list(SELECTIVE_ALL)}]
+    return out + [FULL_RECOMPUTE]

@@ -25,15 +25,17 @@ How the job holds the model (what the terms follow):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from math import ceil
 
 from . import derived
 from .layout import LayoutSyntaxError, parse_layout, structure_problems
-from .memory_activations import (StageSetting, attention_workspace, backward_working_set, compressed_bytes,
-                                 embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
+from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
+                                 compressed_bytes, embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
                                  mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
 from .param_count import ParamSpec, model_buffers, model_params
+from .recompute_policy import FULL_LAYER, RecomputeRefused, recompute_regions
 from .schema.cluster import GPU_MEMORY_GIB
 from .schema.recipe import Recipe
 
@@ -163,6 +165,7 @@ class _StageCost:
     loss: float = 0.0
     weight_copies: float = 0.0
     backward_set: float = 0.0
+    recompute_layer: float = 0.0
     attention_workspace: float = 0.0
     loss_transient: float = 0.0
 
@@ -225,23 +228,38 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
         accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
         act=2 if recipe.precision.dtype == "bf16" else 4, kernels=backend == "triton" and recipe.cluster.sm == 90,
         topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
-        recompute=frozenset(p.recompute_modules), chunk=recipe.attention.kl_chunk_size)
+        recompute=frozenset(_regions(recipe)),
+        chunk=recipe.attention.kl_chunk_size)
+
+
+def _regions(recipe: Recipe) -> list[str]:
+    try:
+        return recompute_regions(recipe.parallel.recompute_granularity, recipe.parallel.recompute_modules)
+    except RecomputeRefused as refused:
+        raise PlanUnavailable(f"V4-RECOMPUTE refuses {refused.field}={refused.value!r}") from None
 
 
 def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embeddings: bool,
                 params: list[ParamSpec], ep: int, s: StageSetting) -> _StageCost:
     """Per-micro-batch bytes of one virtual stage (activations by layer, compressed KV, top-k, loss)."""
     c = _StageCost()
+    full = FULL_LAYER in s.recompute
+    layer_copies = _layer_weight_copies(params, ep) if (full and s.act == 2) else {}
     for layer in layers:
         ratio = m.compress_ratios[layer] if layer < len(m.compress_ratios) else 0
         per = layer_bytes_per_token(m, ratio, s.phase, kernels=s.kernels, act=s.act, topk=s.topk,
-                                    recompute=s.recompute)
+                                    recompute=frozenset() if full else s.recompute)
         own = sum(v for k, v in per.items() if k != "top-k") * s.rows
-        if layer >= m.n_layers:
-            own += mtp_extra_bytes_per_token(m, s.act) * s.rows
-        c.activations += own
-        c.topk += per["top-k"] * s.rows
-        c.cp += compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
+        extra = mtp_extra_bytes_per_token(m, s.act) * s.rows if layer >= m.n_layers else 0.0
+        gathered = compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
+        if full:  # the layer keeps its input streams; backward re-runs it whole, one layer at a time
+            c.activations += block_input_bytes_per_token(m, s.act) * s.rows + extra
+            c.recompute_layer = max(c.recompute_layer, own + per["top-k"] * s.rows + gathered
+                                    + layer_copies.get(layer, 0.0))
+        else:
+            c.activations += own + extra
+            c.topk += per["top-k"] * s.rows
+            c.cp += gathered
         c.backward_set = max(c.backward_set, backward_working_set(m, s))
         c.attention_workspace = max(c.attention_workspace, attention_workspace(m, ratio, s))
     if "E" in symbols:
@@ -257,8 +275,27 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
         c.loss_transient = (10.0 * chunk * m.vocab_size + 4.0 * m.vocab_size * m.dim
                             + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim))
     if s.act == 2:
-        c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params if _gemm_weight(p))
+        c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params
+                                    if _gemm_weight(p) and not (full and _in_block(p)))
     return c
+
+
+_BLOCK_PART = re.compile(r"\.(attn|ffn)\.|\.(attn_norm|ffn_norm|hc_attn_[a-z]+|hc_ffn_[a-z]+)(\.|$)")
+
+
+def _in_block(p: ParamSpec) -> bool:
+    """A parameter that ``Block.forward`` uses (attention, MoE, norms, mHC mixing); not an MTP layer's
+    enorm / hnorm / e_proj / h_proj / head, which run outside it."""
+    return p.layer is not None and bool(_BLOCK_PART.search(p.name))
+
+
+def _layer_weight_copies(params: list[ParamSpec], ep: int) -> dict[int, float]:
+    """bf16 GEMM weight copies of each layer's ``Block.forward`` (what a whole-layer recompute re-creates)."""
+    out: dict[int, float] = {}
+    for p in params:
+        if _gemm_weight(p) and _in_block(p):
+            out[p.layer] = out.get(p.layer, 0.0) + 2.0 * (p.numel // (ep if p.routed else 1))
+    return out
 
 
 def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
@@ -288,7 +325,8 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
     opt = 4 * (muon + muon_routed) + 8 * (adamw + routed - muon_routed)
     root = sum(sp.numel for sp in dense if sp.layer is None)
     fsdp = 12 * max(max(blocks), root) if p.distributed_optimizer and shard > 1 else 0
-    ws = max((costs[i].backward_set + costs[i].attention_workspace for i in local), default=0.0)
+    ws = max((costs[i].backward_set + costs[i].attention_workspace + costs[i].recompute_layer for i in local),
+             default=0.0)
     ce = max((costs[i].loss_transient for i in local), default=0.0)
     sum_ops = lambda attr: int(sum(getattr(costs[i], attr) for i in ops))  # noqa: E731
     gib = lambda n: f"{n / 1e9:.2f}B"  # noqa: E731
@@ -315,7 +353,8 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
         MemoryTerm("loss", "logits + loss buffers", sum_ops("loss"), "bf16/fp32",
                    f"head in chunks of {LOGIT_CHUNK_ELEMENTS // max(m.vocab_size, 1)} rows"),
         MemoryTerm("transients", "backward transients", int(max(ws, ce)), "bf16/fp32",
-                   "one layer's backward + attention workspace" if ws >= ce else "head + loss chunk, weight grad"),
+                   ("one layer re-run whole + its backward + attention workspace" if FULL_LAYER in s.recompute
+                    else "one layer's backward + attention workspace") if ws >= ce else "head + loss chunk, weight grad"),
         MemoryTerm("fsdp", "FSDP unsharded block", fsdp, "fp32", "gathered params x2 + grads" if fsdp else "no FSDP"),
     ]
     allocated = sum(t.bytes for t in terms)

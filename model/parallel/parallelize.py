@@ -33,8 +33,8 @@ class ParallelDims:
             (required when pp · vpp > 1).
         ep: expert-parallel size (folds over the S ranks of a pipeline rank).
         distributed_optimizer: shard parameters, gradients and optimizer state with FSDP2.
-        recompute: the ``parallel.recompute_modules`` names to recompute (``recompute.modules_from_recipe``).
-        max_cp: the largest CP size of any curriculum stage (the recompute refusals depend on it).
+        recompute: the region names to recompute (``recompute.modules_from_recipe``: selective names, or
+            ``["full"]`` for whole layers).
     """
 
     pp: int = 1
@@ -43,7 +43,6 @@ class ParallelDims:
     ep: int = 1
     distributed_optimizer: bool = False
     recompute: tuple[str, ...] = ()
-    max_cp: int = 1
 
     @property
     def pipelined(self) -> bool:
@@ -177,7 +176,7 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
     for part in pm.parts:
         if precision is not None:
             pm.fp8_modules += apply_fp8(part, precision)
-        pm.recomputed += apply_recompute(part, list(dims.recompute), max_cp=dims.max_cp, ep=dims.ep)
+        pm.recomputed += apply_recompute(part, list(dims.recompute))
     # 3. FSDP: fully_shard per block, per MTP layer, then per part, over the S group (experts left to EP).
     if dims.distributed_optimizer:
         apply_fsdp(pm.parts, shard_mesh(groups.shard, device.type), dp=groups.dp, ignored_params=pm.experts)

@@ -1,166 +1,94 @@
-"""Selective activation recompute (``parallel.recompute_modules``), applied to a built model from outside.
+"""Activation recompute (``parallel.recompute_granularity`` / ``recompute_modules``), applied to a built model from outside.
 
-Spec: seed 000 §10 (activation memory; "an outer recompute boundary that encloses boundary
-exchange or compressed all-gathers would replay communication during backward"); Megatron's
-``recompute_modules`` names (transformer_config.py; reference/megatron-v4-contract.md §1 item 17
-and B3). The recipe validator's rule V4-RECOMPUTE (validators/rules/attention.py) refuses
-``core_attn``; this module refuses the same name with the same rule and fix, and refuses the
-names this model cannot honour (see :data:`REGIONS`).
+Which settings are accepted, and what each name means, is decided once, torch-free, in
+``validators/recompute_policy.py`` (:func:`recompute_regions`): the recipe validator's rule V4-RECOMPUTE
+and this module refuse the same settings with the same text. Spec: seed 000 §10; Megatron's
+``recompute_granularity`` / ``recompute_modules`` (reference/megatron-v4-contract.md §A item 17, B3).
 
-What each allowed name recomputes in this model (every decoder block and MTP layer):
+What each accepted name recomputes in this model (every decoder block and MTP layer):
 
-================  ==============================================================  ==========================
-name              region (checkpointed in backward)                               collectives inside
-================  ==============================================================  ==========================
-``layernorm``     ``attn_norm`` and ``ffn_norm`` (input and pre-MoE RMSNorm)      none
-``mla_up_proj``   ``attn.project_query``: wq_b up-projection, per-head RMS, RoPE  none
-``moe_act``       ``Expert.activation`` (clamped SwiGLU) of routed + shared       none
-``shared_experts`` ``ffn.shared_experts`` (the whole shared expert)              none
-``moe``           ``ffn`` (router, dispatch, experts, combine, balance loss)      CP sums of the balance
-                                                                                  loss when cp > 1; the
-                                                                                  expert all-to-all at ep > 1
-================  ==============================================================  ==========================
+==================  ==============================================================  ==========================
+name                region (checkpointed in backward)                               collectives replayed
+==================  ==============================================================  ==========================
+``layernorm``       ``attn_norm`` and ``ffn_norm`` (input and pre-MoE RMSNorm)      none
+``mla_up_proj``     ``attn.project_query``: wq_b up-projection, per-head RMS, RoPE  none
+``moe_act``         ``Expert.activation`` (clamped SwiGLU) of routed + shared       none
+``shared_experts``  ``ffn.shared_experts`` (the whole shared expert)                none
+``moe``             ``ffn`` (router, dispatch, experts, combine, balance loss)      balance-loss CP sums at
+                                                                                    cp > 1; the expert
+                                                                                    all-to-all at ep > 1
+``full``            the whole layer (``Block.forward``: mHC, attention, MoE)        the above, and at cp > 1
+                    (granularity ``full``)                                          the CP boundary exchange
+                                                                                    and compressed all-gathers
+==================  ==============================================================  ==========================
 
-Refused: ``core_attn`` (V4-RECOMPUTE: the core attention sits between the CP boundary exchange and
-the compressed all-gather, and the attention path already recomputes each query chunk's scores
-itself: ``BatchContext.recompute`` and the fused kernels' backward); ``mlp`` (Megatron recomputes
-the *dense* MLP; every V4 FFN is a MoE, so the name would recompute nothing); ``moe`` when a
-curriculum stage runs cp > 1 or ep > 1 (its region encloses collectives).
+A replayed collective is correct: every rank of the group runs the same backward, so it replays the same
+collectives in the same order (each is an autograd node, ``parallel/comm.py``); early stopping of the
+recompute is switched off for these regions so that no rank stops before a collective another rank runs.
+It costs step time, which the validator reports (V4-RECOMPUTE-REPLAY) and seed 000 §10 asks to measure.
 
-How: the module owning a region (the norm, the attention, the expert, the MoE) takes a subclass
-of its own class whose region method (``forward``, ``Attention.project_query``,
+How: the module owning a region (the norm, the attention, the expert, the MoE, the block) takes a
+subclass of its own class whose region method (``forward``, ``Attention.project_query``,
 ``Expert.activation``) calls the original through ``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)`` (FSDP2's ``fully_shard`` swaps classes the same way). No module is inserted
 or renamed, so parameter FQNs and state-dict keys stay exactly the single-device ones
-(``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.``). FSDP2's ``fully_shard`` applied afterwards per block
-composes: its hooks run around the block's ``forward``, the recompute runs inside the block's
-backward, after FSDP has gathered the block's parameters. Pipeline stages share their blocks
-with the model they were cut from (``pipeline.cut_stage``), so apply this after the split to
-each part; a region already under recompute is left as it is (applying twice is harmless).
+(``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.``). FSDP2's ``fully_shard`` applied
+afterwards per block composes: its hooks run around the block's ``forward`` (and so around a ``full``
+checkpoint), the recompute runs inside the block's backward, after FSDP has gathered the block's
+parameters. Pipeline stages share their blocks with the model they were cut from
+(``pipeline.cut_stage``), so apply this after the split to each part; a region already under recompute
+is left as it is (applying twice is harmless).
 
-The recompute of ``moe`` runs the MoE with ``training`` off, so the expert token counts of the
-aux-loss-free balancing (``MoE.expert_counts``) are counted once per forward, not again in backward.
+A replay of the MoE (``moe``, or ``full`` which encloses it) runs the MoE with ``training`` off, so the
+expert token counts of the aux-loss-free balancing (``MoE.expert_counts``) are counted once per forward.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from ...validators.recompute_policy import FULL_LAYER, REGIONS, recompute_regions
 from ..moe import MoE
 from .fsdp import decoder_blocks
 
-FIELD = "parallel.recompute_modules"
+__all__ = ["FULL_LAYER", "REGIONS", "apply_recompute", "modules_from_recipe", "recomputed_regions"]
 
 
-@dataclass(frozen=True)
-class Region:
-    """What a ``recompute_modules`` name means here.
+def modules_from_recipe(granularity: str, modules: Iterable[str]) -> list[str]:
+    """The region names to recompute (``validators/recompute_policy.recompute_regions``, which see).
 
-    Attributes:
-        meaning: the region this name recomputes in the V4 model (or why it is refused).
-        refused: the rule text when the name is never accepted (None: accepted).
-        collectives: True when the region encloses a CP collective once cp > 1 (or the EP all-to-all at ep > 1).
-    """
-
-    meaning: str
-    refused: str | None = None
-    collectives: bool = False
-
-
-REGIONS: dict[str, Region] = {
-    "core_attn": Region("the core attention (window + compressed-entry softmax) of every layer",
-                        refused="V4-RECOMPUTE: 'core_attn' recompute is rejected by V4 hybrid attention (it sits "
-                                "between the CP boundary exchange and the compressed all-gather; the attention "
-                                "path already recomputes each query chunk's scores in backward)"),
-    "layernorm": Region("attn_norm and ffn_norm of every block and MTP layer"),
-    "mla_up_proj": Region("attn.project_query (wq_b up-projection, per-head RMS norm, RoPE) of every block "
-                          "and MTP layer"),
-    "moe_act": Region("the clamped SwiGLU activation (Expert.activation) of the routed and shared experts"),
-    "shared_experts": Region("ffn.shared_experts of every block and MTP layer"),
-    "moe": Region("the whole MoE layer (ffn: router, dispatch, experts, combine, balance loss)", collectives=True),
-    "mlp": Region("Megatron's dense MLP",
-                  refused="V4-RECOMPUTE: 'mlp' recomputes a dense MLP, and every V4 FFN is a MoE (hash "
-                          "layers included), so it would recompute nothing"),
-}
-"""Every name the recipe schema allows (``validators/schema/parallel.py`` ``RecomputeModule``)."""
-
-_FIX = "list modules from layernorm, mla_up_proj, moe_act, shared_experts (e.g. parallel.recompute_modules=[mla_up_proj])"
-
-
-def _refuse(value: Any, rule: str, fix: str = _FIX) -> ValueError:
-    return ValueError(f"{FIELD}={value!r}: {rule}. Fix: {fix}")
-
-
-def check_recompute_modules(modules: Iterable[str], *, max_cp: int = 1, ep: int = 1) -> list[str]:
-    """The accepted, de-duplicated names of ``modules`` in the order given.
-
-    Args:
-        modules: names from ``parallel.recompute_modules``.
-        max_cp: the largest context-parallel size of any curriculum stage of the run.
-        ep: ``parallel.ep``.
     Raises:
-        ValueError: a name outside :data:`REGIONS`, a refused name (``core_attn``, ``mlp``), or
-            ``moe`` with max_cp > 1 or ep > 1; the message names the field, the value, the rule and the fix.
+        ValueError (``RecomputeRefused``): the setting the validator's V4-RECOMPUTE refuses, with the field,
+            the value, the rule and the fix.
     """
-    names = list(dict.fromkeys(modules))
-    for name in names:
-        region = REGIONS.get(name)
-        if region is None:
-            raise _refuse(names, f"{name!r} is not a recompute module name (known: {', '.join(REGIONS)})")
-        if region.refused:
-            raise _refuse(names, region.refused)
-        if region.collectives and (max_cp > 1 or ep > 1):
-            causes = [f"the balance loss's CP sums at cp={max_cp}"] * (max_cp > 1) + \
-                [f"the expert all-to-all at ep={ep}"] * (ep > 1)
-            raise _refuse(names, f"V4-RECOMPUTE: '{name}' recompute would enclose collectives ({' and '.join(causes)}) "
-                                 "and replay them in backward", fix="drop 'moe' and list 'shared_experts' and 'moe_act' instead, or run "
-                                                 "every curriculum stage at cp=1 and ep=1")
-    return names
-
-
-def modules_from_recipe(granularity: str, modules: Iterable[str], *, max_cp: int = 1, ep: int = 1) -> list[str]:
-    """The names to recompute for ``parallel.recompute_granularity`` and ``parallel.recompute_modules``.
-
-    "none" with no modules -> []; "selective" -> :func:`check_recompute_modules`.
-    Raises:
-        ValueError: "selective" without modules (Megatron then recomputes core_attn); "none" with
-            modules (they would be ignored); "full" (the whole layer encloses the core attention
-            and, at cp > 1, the CP boundary exchange and all-gathers); any error of
-            :func:`check_recompute_modules`.
-    """
-    modules = list(modules)
-    if granularity == "none":
-        if modules:
-            raise ValueError(f"parallel.recompute_granularity='none' with {FIELD}={modules!r}: the modules would be "
-                             "ignored. Fix: set parallel.recompute_granularity=selective, or drop "
-                             f"{FIELD}.")
-        return []
-    if granularity == "full":
-        raise ValueError("parallel.recompute_granularity='full': V4-RECOMPUTE: recomputing whole layers encloses "
-                         "the core attention and, at cp > 1, the CP boundary exchange and compressed all-gathers. "
-                         f"Fix: set parallel.recompute_granularity=selective and {FIELD}=[layernorm, mla_up_proj, "
-                         "moe_act, shared_experts] (or a subset).")
-    if granularity != "selective":
-        raise ValueError(f"parallel.recompute_granularity={granularity!r}: must be none, selective or full. "
-                         "Fix: use one of those.")
-    if not modules:
-        raise _refuse([], "V4-RECOMPUTE: selective recompute without modules means ['core_attn'] in Megatron")
-    return check_recompute_modules(modules, max_cp=max_cp, ep=ep)
+    return recompute_regions(granularity, modules)
 
 
 _RECOMPUTE_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
 
 
-def _checkpointing(base: type, name: str, moe: bool) -> Callable:
+def _replayed_moe(module: nn.Module, name: str) -> Callable[[nn.Module], MoE] | None:
+    """The MoE whose replay must not count experts again: the module itself (``moe``), its ``ffn``
+    (``full``: a block's forward), or None (the region holds no MoE forward)."""
+    if name != "forward":
+        return None
+    if isinstance(module, MoE):
+        return lambda owner: owner
+    if isinstance(getattr(module, "ffn", None), MoE):
+        return lambda owner: owner.ffn
+    return None
+
+
+def _checkpointing(base: type, name: str, moe_of: Callable[[nn.Module], MoE] | None) -> Callable:
     """A method that runs ``base.<name>`` (looked up at each call) under a non-reentrant checkpoint.
 
-    ``moe``: the MoE forward: replay with ``training`` off (the expert counts are counted once). A
-    ``moe`` region at cp > 1 or ep > 1 is refused once, by :func:`check_recompute_modules` (max_cp, ep).
+    ``moe_of``: the MoE inside the region (None: none); its replay runs with ``training`` off, so the
+    expert counts are counted once. Regions holding a MoE may hold collectives (the balance loss's CP sums,
+    the expert all-to-all, and for a whole block the CP exchange): their recompute is not stopped early.
     """
 
     @functools.wraps(getattr(base, name))
@@ -170,15 +98,19 @@ def _checkpointing(base: type, name: str, moe: bool) -> Callable:
 
         def body(*a, **k):
             calls[0] += 1
-            if calls[0] == 1 or not moe:
+            if calls[0] == 1 or moe_of is None:
                 return method(self, *a, **k)
-            was, self.training = self.training, False  # a replay: count the experts' tokens once
+            moe = moe_of(self)
+            was, moe.training = moe.training, False  # a replay: count the experts' tokens once
             try:
                 return method(self, *a, **k)
             finally:
-                self.training = was
+                moe.training = was
 
-        return checkpoint(body, *args, use_reentrant=False, **kwargs)
+        if moe_of is None:
+            return checkpoint(body, *args, use_reentrant=False, **kwargs)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(body, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -197,7 +129,7 @@ def _recompute_class(module: nn.Module, attr: str) -> type:
     if key not in _RECOMPUTE_CLASSES:
         namespace = {"_v4_recompute_base": base, "_v4_recompute_attrs": attrs, "__module__": __name__}
         for name in attrs:
-            namespace[name] = _checkpointing(base, name, moe=name == "forward" and issubclass(base, MoE))
+            namespace[name] = _checkpointing(base, name, _replayed_moe(module, name))
         _RECOMPUTE_CLASSES[key] = type(f"Recompute{base.__name__}", (base,), namespace)
     return _RECOMPUTE_CLASSES[key]
 
@@ -205,7 +137,9 @@ def _recompute_class(module: nn.Module, attr: str) -> type:
 def _targets(block: nn.Module, name: str) -> Iterator[tuple[nn.Module, str]]:
     """(owning module, method name) of each region ``name`` in ``block``."""
     ffn = block.ffn
-    if name == "layernorm":
+    if name == FULL_LAYER:
+        yield block, "forward"
+    elif name == "layernorm":
         yield block.attn_norm, "forward"
         yield block.ffn_norm, "forward"
     elif name == "mla_up_proj":
@@ -221,28 +155,26 @@ def _targets(block: nn.Module, name: str) -> Iterator[tuple[nn.Module, str]]:
         yield ffn, "forward"
 
 
-def apply_recompute(part: nn.Module, modules: list[str], *, max_cp: int = 1, ep: int = 1) -> list[str]:
+def apply_recompute(part: nn.Module, modules: list[str]) -> list[str]:
     """Recompute the regions named by ``modules`` in every decoder block and MTP layer of ``part``.
 
     Args:
         part: a ``V4Model`` or a pipeline stage cut from one (``pipeline.cut_stage``), before FSDP.
-        modules: names from :data:`REGIONS` (``parallel.recompute_modules``; see
-            :func:`modules_from_recipe` for the granularity).
-        max_cp: the largest CP size of any curriculum stage; ep: ``parallel.ep`` (both for ``moe``).
+        modules: region names (:func:`modules_from_recipe`): selective names of ``REGIONS``, or
+            [``FULL_LAYER``] for whole layers.
     Returns:
-        The FQNs of the regions under recompute in ``part`` (e.g. ``layers.1.attn.project_query``),
-        sorted; empty when ``part`` holds no block or ``modules`` is empty.
+        The FQNs of the regions under recompute in ``part`` (e.g. ``layers.1.attn.project_query``; a
+        whole layer is named by its FQN, ``layers.1``), sorted; empty when ``part`` holds no block or
+        ``modules`` is empty.
     Raises:
-        ValueError: a refused or unknown name (:func:`check_recompute_modules`), or
-            ``shared_experts`` on a model without shared experts (nothing to recompute).
+        ValueError (``RecomputeRefused``): a refused or unknown name, or ``shared_experts`` on a model
+            without shared experts (nothing to recompute).
     Effects: parameters, buffers, FQNs and state-dict keys are unchanged; the forward values are
         unchanged; the regions' activations are freed after the forward and recomputed in backward.
     """
-    names = check_recompute_modules(modules, max_cp=max_cp, ep=ep)
     args = getattr(part, "args", None)
-    if "shared_experts" in names and args is not None and not args.n_shared_experts:
-        raise _refuse(names, "'shared_experts': model.moe.n_shared_experts=0, so there is nothing to recompute",
-                      fix="drop 'shared_experts' from parallel.recompute_modules")
+    names = [FULL_LAYER] if list(modules) == [FULL_LAYER] else recompute_regions(
+        "selective", modules, n_shared_experts=getattr(args, "n_shared_experts", None)) if modules else []
     for block in decoder_blocks(part):
         for name in names:
             for owner, attr in _targets(block, name):

@@ -1,4 +1,5 @@
-"""Selective recompute (parallel/recompute.py): same gradients, really recomputed, same names, V4 refusals.
+"""Activation recompute (parallel/recompute.py): selective regions and whole layers (granularity full) give the
+same gradients, are really recomputed, keep the names; V4 refusals; replayed CP collectives at cp 2.
 
 References: the same model without recompute (a deep copy, float64, fresh random weights and
 batches); the count of each region's calls during backward; the bytes autograd keeps for backward.
@@ -22,12 +23,13 @@ from v4launch.model.common import RMSNorm
 from v4launch.model.kernels import dispatch
 from v4launch.model.moe import MoE, Expert
 from v4launch.model.parallel.pipeline import StageSpec, cut_stage, stage_specs
-from v4launch.model.parallel.recompute import (REGIONS, apply_recompute, check_recompute_modules,
-                                               modules_from_recipe, recomputed_regions)
+from v4launch.model.model import Block
+from v4launch.model.parallel.recompute import FULL_LAYER, REGIONS, apply_recompute, modules_from_recipe, recomputed_regions
 
-ALLOWED = ["layernorm", "mla_up_proj", "moe_act", "shared_experts", "moe"]
+ALLOWED = ["layernorm", "mla_up_proj", "moe_act", "shared_experts", "moe", FULL_LAYER]
 METHOD = {"layernorm": (RMSNorm, "forward"), "mla_up_proj": (Attention, "project_query"),
-          "moe_act": (Expert, "activation"), "shared_experts": (Expert, "forward"), "moe": (MoE, "forward")}
+          "moe_act": (Expert, "activation"), "shared_experts": (Expert, "forward"), "moe": (MoE, "forward"),
+          FULL_LAYER: (Block, "forward")}
 LENGTHS = [37, 140, 21]  # three segments: CSA entries in each, HCA (ratio 128) entries in the 140-token one
 
 
@@ -65,7 +67,7 @@ def _stand_in_kernels(monkeypatch, model) -> None:
 
 
 @pytest.mark.parametrize("names", [[n] for n in ALLOWED] + [["layernorm", "mla_up_proj", "moe_act", "shared_experts"]],
-                         ids=lambda n: "+".join(n))
+                         ids=lambda n: "+".join(n))  # [full]: granularity full, every layer whole
 @pytest.mark.parametrize("phase", ["dense", "sparse"])
 def test_gradients_equal_and_regions_recomputed(names, phase, gen, monkeypatch):
     args = tiny_args()
@@ -113,12 +115,14 @@ def test_recompute_frees_the_regions_activations(name, gen):
     assert out_rec.item() == pytest.approx(out_plain.item(), rel=1e-12)
 
 
-def test_kernel_path_gradients_equal(gen, monkeypatch):
-    """The fused-kernel layer code (kernels/layer.py) calls project_query too: same gradients there."""
+@pytest.mark.parametrize("names", [["mla_up_proj", "layernorm"], [FULL_LAYER]], ids="+".join)
+def test_kernel_path_gradients_equal(names, gen, monkeypatch):
+    """The fused-kernel layer code (kernels/layer.py) calls project_query too, and a whole layer re-runs the
+    kernel path (its top-k and saved kernel outputs): same gradients there."""
     args = tiny_args()
     plain = build(args, "sparse", gen, chunk_size=16)
     rec = copy.deepcopy(plain)
-    apply_recompute(rec, ["mla_up_proj", "layernorm"])
+    apply_recompute(rec, names)
     for m in (plain, rec):
         _stand_in_kernels(monkeypatch, m)
     tokens, cu, max_len, labels = packed_batch(LENGTHS, args.vocab_size, gen)
@@ -132,7 +136,7 @@ def test_names_state_dict_and_copies_unchanged(gen):
     args = tiny_args()
     plain = build(args, "sparse", gen)
     rec = copy.deepcopy(plain)
-    apply_recompute(rec, ALLOWED)
+    apply_recompute(rec, ALLOWED[:-1])
     assert [n for n, _ in rec.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert [n for n, _ in rec.named_buffers()] == [n for n, _ in plain.named_buffers()]
     state = rec.state_dict()
@@ -159,11 +163,12 @@ def test_applying_twice_changes_nothing(gen):
     assert isinstance(model.layers[0].ffn.shared_experts, Expert)
 
 
-def test_moe_recompute_counts_expert_tokens_once(gen):
+@pytest.mark.parametrize("name", ["moe", FULL_LAYER])
+def test_moe_recompute_counts_expert_tokens_once(name, gen):
     args = tiny_args()
     plain = build(args, "dense", gen)
     rec = copy.deepcopy(plain)
-    apply_recompute(rec, ["moe"])
+    apply_recompute(rec, [name])
     tokens, cu, max_len, labels = packed_batch(LENGTHS, args.vocab_size, gen)
     for m in (plain, rec):
         total(m(tokens, cu, max_len, labels)).backward()
@@ -189,29 +194,30 @@ def test_pipeline_parts_keep_single_device_names(gen):
 
 def test_refusals_name_field_value_rule_and_fix(gen):
     cases = [
-        (lambda: check_recompute_modules(["mla_up_proj", "core_attn"]), r"parallel\.recompute_modules=\['mla_up_proj', "
-         r"'core_attn'\]: V4-RECOMPUTE: 'core_attn' recompute is rejected.*Fix: list modules from layernorm"),
-        (lambda: check_recompute_modules(["mlp"]), r"recompute_modules=\['mlp'\]: V4-RECOMPUTE: 'mlp'.*every V4 FFN "
-         r"is a MoE.*Fix: "),
-        (lambda: check_recompute_modules(["moe"], max_cp=2), r"\['moe'\]: V4-RECOMPUTE: 'moe' recompute would enclose "
-         r"collectives \(the balance loss's CP sums at cp=2.*Fix: drop 'moe'"),
-        (lambda: check_recompute_modules(["moe"], ep=8), r"expert all-to-all at ep=8"),
-        (lambda: check_recompute_modules(["attn"]), r"\['attn'\]: 'attn' is not a recompute module name \(known: "
-         r"core_attn, layernorm"),
+        (lambda: modules_from_recipe("selective", ["mla_up_proj", "core_attn"]), r"parallel\.recompute_modules="
+         r"\['mla_up_proj', 'core_attn'\]: V4-RECOMPUTE: 'core_attn' recompute is rejected.*Fix: set parallel\."
+         r"recompute_granularity=selective and list modules from layernorm"),
+        (lambda: modules_from_recipe("selective", ["mlp"]), r"recompute_modules=\['mlp'\]: V4-RECOMPUTE: 'mlp'.*every "
+         r"V4 FFN is a MoE.*Fix: "),
+        (lambda: modules_from_recipe("selective", ["attn"]), r"\['attn'\]: V4-RECOMPUTE: 'attn' is not a recompute "
+         r"module name \(known: core_attn, layernorm"),
         (lambda: modules_from_recipe("selective", []), r"recompute_modules=\[\]: V4-RECOMPUTE: selective recompute "
          r"without modules means \['core_attn'\]"),
-        (lambda: modules_from_recipe("none", ["layernorm"]), r"recompute_granularity='none' with parallel\."
-         r"recompute_modules=\['layernorm'\]: the modules would be ignored\. Fix: set parallel\.recompute_granularity"
+        (lambda: modules_from_recipe("none", ["layernorm"]), r"parallel\.recompute_modules=\['layernorm'\]: V4-RECOMPUTE: "
+         r"recompute_granularity=none: these modules would be ignored\. Fix: set parallel\.recompute_granularity"
          r"=selective"),
-        (lambda: modules_from_recipe("full", []), r"recompute_granularity='full': V4-RECOMPUTE: .*core attention.*"
-         r"Fix: set parallel\.recompute_granularity=selective"),
+        (lambda: modules_from_recipe("full", ["moe"]), r"recompute_granularity=full: these modules would be ignored"),
+        (lambda: modules_from_recipe("block", []), r"parallel\.recompute_granularity='block': V4-RECOMPUTE: must be "
+         r"none, selective or full"),
         (lambda: apply_recompute(build(tiny_args(n_shared_experts=0), "dense", gen), ["shared_experts"]),
-         r"\['shared_experts'\]: 'shared_experts': model\.moe\.n_shared_experts=0.*Fix: drop 'shared_experts'"),
+         r"\['shared_experts'\]: V4-RECOMPUTE: 'shared_experts' with model\.moe\.n_shared_experts=0.*Fix: drop "
+         r"'shared_experts'"),
     ]
     for call, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
             call()
     assert modules_from_recipe("none", []) == []
+    assert modules_from_recipe("full", []) == [FULL_LAYER]
     assert modules_from_recipe("selective", ["moe_act", "layernorm", "moe_act"]) == ["moe_act", "layernorm"]
     assert set(REGIONS) == {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
 
@@ -241,7 +247,7 @@ def cp_fsdp_case(case: dict) -> dict:
     gen = torch.Generator().manual_seed(case["seed"])
     plain = build(args, "sparse", gen, chunk_size=32)
     rec = copy.deepcopy(plain)
-    regions = apply_recompute(rec, case["names"], max_cp=2)
+    regions = apply_recompute(rec, case["names"])
     tokens, cu, max_len, labels = packed_batch(CP_LENGTHS, args.vocab_size, gen)
     out = {"regions": len(regions)}
     for key, m in (("plain", plain), ("rec", rec)):
@@ -271,4 +277,17 @@ def test_cp2_fsdp_recompute_replays_no_collective(tmp_path):
         assert r["regions"] > 0 and r["same_grads"] and r["grad_err"] <= 1e-12, r
         assert abs(r["rec"]["loss"] - r["plain"]["loss"]) <= 1e-12 * abs(r["plain"]["loss"])
         assert r["rec"]["collectives"] == r["plain"]["collectives"] > 0
+        assert r["rec"]["sharded"] == r["plain"]["sharded"] > 0 and r["rec"]["names"] == r["plain"]["names"]
+
+
+@pytest.mark.parametrize("names", [[FULL_LAYER], ["moe"]], ids="+".join)
+def test_cp2_fsdp_recompute_replaying_collectives_gives_the_same_gradients(names, tmp_path):
+    """Whole layers (and the MoE with its balance-loss CP sums) at cp 2 under FSDP2: backward replays the CP
+    boundary exchange and all-gathers of each layer on both ranks in the same order, with equal gradients."""
+    results = gloo_spawn(2, [dict(seed=int(torch.randint(0, 2**31 - 1, (1,))), names=names)], tmp_path, cp_fsdp_case)
+    for rank in results:
+        r = rank[0]
+        assert r["regions"] > 0 and r["same_grads"] and r["grad_err"] <= 1e-12, r
+        assert abs(r["rec"]["loss"] - r["plain"]["loss"]) <= 1e-12 * abs(r["plain"]["loss"])
+        assert r["rec"]["collectives"] > r["plain"]["collectives"] > 0  # the replays
         assert r["rec"]["sharded"] == r["plain"]["sharded"] > 0 and r["rec"]["names"] == r["plain"]["names"]

@@ -10,8 +10,10 @@ in float64, as in test_train_cp.py / test_train_pp.py):
 * ep 2 x FSDP x cp 2 in the last stage (world 2: the sparse stage runs dp 1 x cp 2);
 * pp 2 x ep 2 x FSDP (world 4: two pipeline ranks, each an S group of 2 ranks that are both the
   EP group and the FSDP group);
-* ep 2 x FSDP with selective recompute of every region the job allows at ep > 1 (against plain data
-  parallel without recompute: recompute changes memory, never numbers).
+* ep 2 x FSDP with selective recompute of every region without collectives, and ep 2 x FSDP x cp 2
+  with whole-layer recompute (granularity full: backward replays the expert all-to-all, the CP boundary
+  exchange and the compressed all-gathers), both against plain data parallel without recompute:
+  recompute changes memory, never numbers.
 
 The manifests record ep and list every expert once; a checkpoint written at ep 2 x FSDP resumes
 at ep 1 unsharded (DCP reshards by FQN) and continues with the uninterrupted run's losses.
@@ -36,6 +38,7 @@ EP2_FSDP_CP2 = {"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2, "distribu
 EP2_FSDP_RECOMPUTE = {"cluster": {"gpus_per_node": 2}, "parallel": {
     "ep": 2, "distributed_optimizer": True, "recompute_granularity": "selective",
     "recompute_modules": ["layernorm", "mla_up_proj", "moe_act", "shared_experts"]}}
+EP2_FSDP_CP2_FULL = {**EP2_FSDP_CP2, "parallel": {**EP2_FSDP_CP2["parallel"], "recompute_granularity": "full"}}
 PP2_EP2_FSDP = {"cluster": {"gpus_per_node": 4},
                 "parallel": {"pp": 2, "pp_layout": "Et|ttmL", "ep": 2, "distributed_optimizer": True,
                              "global_batch_size": 4}}
@@ -64,8 +67,9 @@ def _reference(new_run, over: dict, world: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("over,world", [(EP2, 2), (FSDP2, 2), (EP2_FSDP_CP2, 2), (PP2_EP2_FSDP, 4),
-                                        (EP2_FSDP_RECOMPUTE, 2)],
-                         ids=["ep2", "fsdp-dp2", "ep2-fsdp-cp2", "pp2-ep2-fsdp", "ep2-fsdp-recompute"])
+                                        (EP2_FSDP_RECOMPUTE, 2), (EP2_FSDP_CP2_FULL, 2)],
+                         ids=["ep2", "fsdp-dp2", "ep2-fsdp-cp2", "pp2-ep2-fsdp", "ep2-fsdp-recompute",
+                              "ep2-fsdp-cp2-full-recompute"])
 def test_layout_gives_the_one_process_losses_in_float64(new_run, over, world):
     ref = _reference(new_run, over, world)
     run = new_run(over)
@@ -88,6 +92,9 @@ def test_layout_gives_the_one_process_losses_in_float64(new_run, over, world):
         assert "FSDP2 over the 2 ranks of a pipeline rank" in start
     if over["parallel"].get("recompute_modules"):
         assert "recompute layernorm, mla_up_proj, moe_act, shared_experts:" in start
+    if over["parallel"].get("recompute_granularity") == "full":
+        assert "recompute full:" in start and "replaying the CP boundary exchange" in start
+        assert "the expert all-to-all (ep=2)" in start
 
 
 @pytest.mark.slow

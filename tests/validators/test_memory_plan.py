@@ -22,6 +22,7 @@ import yaml
 from validate_helpers import RECIPES, invoke, validate_file
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators.memory_fixes import with_edits
+from v4launch.validators.memory_activations import layer_bytes_per_token
 from v4launch.validators.memory_plan import GIB, in_flight_ops, memory_plan, rank_plans
 from v4launch.validators.param_count import model_buffers, model_params
 from v4launch.validators.schema import Recipe
@@ -65,7 +66,8 @@ def test_parameter_terms_of_flash_4n_rank_0():
 
 
 def test_worst_rank_is_planned_and_activations_scale_with_rows():
-    recipe = load_recipe(RECIPES / "flash_4n.yaml").recipe
+    recipe = load_recipe(RECIPES / "flash_4n.yaml", ["parallel.recompute_granularity=selective",
+                                                      "parallel.recompute_modules=[mla_up_proj]"]).recipe
     plans = rank_plans(recipe, 2)
     assert memory_plan(recipe, 2).total_bytes == max(p.total_bytes for p in plans)
     assert [p.in_flight for p in plans] == [4, 3, 2, 1]  # 1F1B: pp - rank
@@ -74,22 +76,58 @@ def test_worst_rank_is_planned_and_activations_scale_with_rows():
     assert abs(a / b - 2) < 0.01
 
 
-@pytest.mark.parametrize("row", json.loads((HERE / "memory_h200.json").read_text())["rows"],
-                         ids=lambda r: f"{r['phase']}-{r['path']}-L{r['L']}-T{r['T']}")
-def test_plan_is_within_5_percent_of_the_peak_measured_on_an_h200(row):
-    """One H200, Flash widths (dim 4096, 64 heads x 512, 6 of 16 experts + shared, vocab 129280), L layers
-    alternating CSA / HCA, one packed sequence of T tokens, bf16 autocast over fp32 parameters, forward +
-    backward without an optimizer (its state is left out of the plan's figure here)."""
-    data = json.loads((HERE / "memory_h200.json").read_text())
-    model = {**data["model"], "n_layers": row["L"], "compress_ratios": [4, 128] * (row["L"] // 2)}
-    recipe = Recipe.model_validate({
+CALIBRATION = json.loads((HERE / "memory_h200.json").read_text())
+TOLERANCE = 0.075
+"""Worst measured row (benchmarks/results/memory_calibration_h200_2026-12-01.txt): -5.8% (L2, 32K, no recompute)
+and +5.7% (L2, 64K, whole-layer recompute); the issue's bound is 15%."""
+
+
+def _measured_recipe(row: dict) -> Recipe:
+    model = {**CALIBRATION["model"], "n_layers": row["L"], "compress_ratios": [4, 128] * (row["L"] // 2),
+             "max_position_embeddings": max(row["T"], 65536)}
+    return Recipe.model_validate({
         "name": "measured", "model": model, "attention": {"kernel_backend": row["path"], "kl_chunk_size": 1024},
+        "parallel": {"recompute_granularity": row.get("recompute", "none")},
         "cluster": {"gpu": "H200", "nodes": 1, "gpus_per_node": 1},
         "curriculum": {"stages": [{"name": "s", "seq_len": row["T"], "phase": row["phase"], "steps": 1}]}})
-    plan = memory_plan(recipe, 0)
+
+
+@pytest.mark.parametrize("row", CALIBRATION["rows"],
+                         ids=lambda r: f"{r['phase']}-{r['path']}-{r.get('recompute', 'none')}-L{r['L']}-T{r['T']}")
+def test_plan_is_within_tolerance_of_the_peak_measured_on_an_h200(row):
+    """One H200, Flash widths (dim 4096, 64 heads x 512, 6 of 16 experts + shared, vocab 129280), L layers
+    alternating CSA / HCA, one packed sequence of T tokens, bf16 autocast over fp32 parameters, forward +
+    backward without an optimizer (its state is left out of the plan's figure here), with and without
+    whole-layer recompute (benchmarks/memory_calibration.py)."""
+    plan = memory_plan(_measured_recipe(row), 0)
     planned = plan.allocated_bytes - plan.term("optimizer").bytes
-    measured = row["params"] + row["peak"]
-    assert abs(planned / measured - 1) <= 0.05, (planned / GIB, measured / GIB)
+    measured = row["measured"] if "measured" in row else row["params"] + row["peak"]
+    assert abs(planned / measured - 1) <= TOLERANCE, (planned / GIB, measured / GIB)
+
+
+@pytest.mark.parametrize("row", CALIBRATION["oom_rows"], ids=lambda r: f"{r['recompute']}-L{r['L']}-T{r['T']}")
+def test_rows_that_ran_out_of_memory_are_planned_over_the_h200(row):
+    plan = memory_plan(_measured_recipe(row), 0)
+    assert plan.allocated_bytes - plan.term("optimizer").bytes > 139.8 * GIB and not plan.fits
+
+
+def test_whole_layer_recompute_keeps_the_layer_inputs_and_re_runs_one_layer():
+    """granularity full: each layer keeps its input streams (a·hc·d per token), the compressed KV, top-k and
+    bf16 weight copies of the layers are not kept, and one layer's whole figure moves to the transients."""
+    row = {"phase": "sparse", "path": "triton", "L": 4, "T": 16384}
+    plain = memory_plan(_measured_recipe(row), 0)
+    full = memory_plan(_measured_recipe({**row, "recompute": "full"}), 0)
+    m = _measured_recipe(row).model
+    inputs = 2 * m.mhc.hc_mult * m.dim * row["T"] * row["L"]
+    head_and_embed = plain.term("activations").bytes - sum(
+        sum(v for k, v in layer_bytes_per_token(m, r, "sparse", kernels=True, act=2, topk=m.indexer.topk).items()
+            if k != "top-k") * row["T"] for r in m.compress_ratios)
+    assert full.term("activations").bytes == pytest.approx(inputs + head_and_embed, rel=1e-9)
+    assert full.term("topk").bytes == full.term("compressed_kv").bytes == 0 < plain.term("topk").bytes
+    head = 2 * m.vocab_size * m.dim  # the head's bf16 copy stays (it runs outside the layers)
+    assert head <= full.term("weight_copies").bytes < head * 1.01 < plain.term("weight_copies").bytes
+    assert plain.term("transients").bytes < full.term("transients").bytes < plain.allocated_bytes
+    assert full.allocated_bytes < plain.allocated_bytes
 
 
 def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
@@ -97,8 +135,8 @@ def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
     report = validate_file(RECIPES / "flash_4n.yaml", over)
     assert report.failed_rule_ids() == {"V4-MEMORY"}
     v = report.violations[0]
-    assert v.field == "cluster.gpu_memory_gib" and v.value == 141.0
-    assert re.search(r"needs [\d.]+ GiB per GPU > 141\.0 GiB", v.message)
+    assert v.field == "cluster.gpu_memory_gib" and v.value == 139.8
+    assert re.search(r"needs [\d.]+ GiB per GPU > 139\.8 GiB", v.message)
     assert len(re.findall(r"\b[a-z][a-z +0-9-]* [\d.]+ GiB", v.message.split("largest:")[1])) == 3
     assert "parameters" in v.message and "optimizer states" in v.message  # the experts alone do not fit
     edits = dict(e.split("=") for e in re.match(r"set (.*?) \(", v.fix).group(1).split())
@@ -124,7 +162,7 @@ def test_a_1m_stage_at_cp1_fails_and_the_proposed_cp_validates(base_file: Path):
 
 def test_validate_prints_the_plan_per_stage_quickly(in_tmp: Path):
     start = time.perf_counter()
-    code, out, _, exc = invoke(["validate", str(RECIPES / "pro_16n.yaml")])
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
     assert exc is None and code == 1
     assert time.perf_counter() - start < 2.0
     assert "memory plan" in out and "over" in out
@@ -138,7 +176,7 @@ def test_validate_prints_the_plan_per_stage_quickly(in_tmp: Path):
 def test_pure_validate_time_of_the_largest_recipes():
     from v4launch.validators import validate_recipe
 
-    loaded = [load_recipe(RECIPES / n) for n in ("flash_8n.yaml", "pro_16n.yaml")]
+    loaded = [load_recipe(RECIPES / n) for n in ("flash_8n.yaml", "pro_64n.yaml", "flash_4n.yaml")]
     start = time.perf_counter()
     for item in loaded:
         validate_recipe(item)

@@ -39,13 +39,13 @@ def test_extends_relative_to_the_file_and_sources():
     assert loaded.source_of("model.compress_ratios.5").endswith(f"flash.yaml:{_line(flash, 'compress_ratios:')}")
     assert loaded.source_of("parallel.offload_modules") == "default"
     assert loaded.source_of("curriculum.stages.0.cp") == "default"
-    assert loaded.source_of("curriculum.stages[3].cp").endswith(f"flash.yaml:{_line(flash, 'name: sparse_128k')}")
+    assert loaded.source_of("curriculum.stages[3].cp").endswith(f"flash_4n.yaml:{_line(flash_4n, 'name: sparse_128k')}")
     assert "extends" not in loaded.resolved
     assert loaded.recipe.stage_cp(loaded.recipe.curriculum.stages[0]) == 8
 
 
 def test_resolved_round_trips(tmp_path: Path):
-    loaded = load_recipe(RECIPES / "pro_16n.yaml", ["curriculum.stages.0.tokens=5"])
+    loaded = load_recipe(RECIPES / "pro_64n.yaml", ["curriculum.stages.0.tokens=5"])
     again = tmp_path / "frozen.yaml"
     again.write_text(loaded.to_yaml())
     reloaded = load_recipe(again)

@@ -13,7 +13,7 @@ CHECK = """
 import sys
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators import validate_recipe
-for name in ("flash_4n", "pro_16n", "tiny_cpu"):  # the memory plan and its fix search included
+for name in ("flash_4n", "pro_64n", "tiny_cpu"):  # the memory plan and its fix search included
     report = validate_recipe(load_recipe(name))
     assert report.ok or report.failed_rule_ids() == {"V4-MEMORY"}, name
 import v4launch.cli.validate, v4launch.cli.explain

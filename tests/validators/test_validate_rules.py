@@ -86,20 +86,27 @@ SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))
 
 
 def test_recipes_shipped():
-    assert {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_16n.yaml", "tiny_cpu.yaml"} <= set(SHIPPED)
+    assert {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_64n.yaml", "tiny_cpu.yaml"} <= set(SHIPPED)
 
 
-OVER_BUDGET = {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_16n.yaml"}
-"""Paper-scale recipes whose 64K-token micro-batches the job cannot hold on their GPUs (docs/memory-plan.md:
-the plan is within a few % of the H200's measured peak): every stage fails V4-MEMORY, nothing else fails."""
+OVER_BUDGET = {"flash_4n.yaml"}
+"""Seed 004's 4-node Flash shape, shipped to show the refusal: no layout of 32 H200 holds the curriculum in
+this job (docs/memory-plan.md), so every stage fails V4-MEMORY and nothing else fails."""
+
+FULL_RECOMPUTE = {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "pro_64n.yaml"}
+"""Paper-scale recipes: whole-layer recompute at cp > 1 replays the CP collectives, which validate reports
+(V4-RECOMPUTE-REPLAY, a warning) and nothing else."""
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_recipe_validates_clean(name: str):
     report = validate_file(RECIPES / name)
     problems = [f"{v.rule_id} [{v.stage}] {v.field}={v.value!r}: {v.message}" for v in report.violations + report.warnings]
+    if name in FULL_RECOMPUTE:
+        assert {w.rule_id for w in report.warnings} == {"V4-RECOMPUTE-REPLAY"}, problems
+        problems = [f"{v.rule_id} [{v.stage}] {v.field}={v.value!r}: {v.message}" for v in report.violations]
     if name in OVER_BUDGET:
-        assert report.failed_rule_ids() == {"V4-MEMORY"} and not report.warnings, problems
+        assert report.failed_rule_ids() == {"V4-MEMORY"}, problems
         assert {v.stage for v in report.violations} == {s.name for s in report.stages}
         return
     assert not problems, f"{name} (tiny_cpu.yaml belongs to the training job; report, do not edit): {problems}"

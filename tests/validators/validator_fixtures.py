@@ -49,6 +49,8 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-OGROUPS": (["model.o_groups=3"], ["model.o_groups=4"]),
     "V4-RECOMPUTE": (["parallel.recompute_granularity=selective", "parallel.recompute_modules=[core_attn]"],
                      ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[mla_up_proj]"]),
+    "V4-RECOMPUTE-REPLAY": (["parallel.recompute_granularity=full"],
+                            ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[moe_act,layernorm]"]),
     "V4-OFFLOAD-QKV": (["parallel.offload_modules=[qkv_linear]"], ["parallel.offload_modules=[core_attn]"]),
     "V4-KERNEL-SM90": (["cluster.gpu=cpu"], []),
     "V4-SM90-DENSE-LOSS": (["curriculum.stages.1.kernel_backend=null"], []),

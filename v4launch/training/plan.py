@@ -119,10 +119,9 @@ def recompute_names(recipe: Any) -> list[str]:
     from ..model.parallel.recompute import modules_from_recipe
 
     par = recipe.parallel
-    max_cp = max(recipe.stage_cp(st) for st in recipe.curriculum.stages)
     try:
         check_precision_policy(recipe.precision)
-        return modules_from_recipe(par.recompute_granularity, par.recompute_modules, max_cp=max_cp, ep=par.ep)
+        return modules_from_recipe(par.recompute_granularity, par.recompute_modules)
     except ValueError as exc:
         message, _, fix = str(exc).partition(" Fix: ")
         raise ContractViolation(message, hint=fix or "check `v4launch validate`") from None

@@ -42,7 +42,7 @@ class Runner:
         par = self.recipe.parallel
         self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
                                  distributed_optimizer=par.distributed_optimizer,
-                                 recompute=tuple(recompute_names(self.recipe)), max_cp=max(p.cp for p in self.plans))
+                                 recompute=tuple(recompute_names(self.recipe)))
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
@@ -179,8 +179,12 @@ class Runner:
             self.metrics.event(p.step, "precision", describe_precision(self.model, fp8_module_filter(self.recipe.precision)),
                                fp8_modules=len(self.pm.fp8_modules))
         if self.pm.recomputed:
+            from ..validators.recompute_policy import replayed_collectives
+
+            replays = replayed_collectives(self.dims.recompute, max_cp=max(st.cp for st in self.plans), ep=self.dims.ep)
             self.metrics.event(p.step, "recompute", f"recompute {', '.join(self.dims.recompute)}: "
-                               f"{len(self.pm.recomputed)} regions re-run in backward", regions=len(self.pm.recomputed))
+                               f"{len(self.pm.recomputed)} regions re-run in backward"
+                               + (f", replaying {'; '.join(replays)}" if replays else ""), regions=len(self.pm.recomputed))
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""

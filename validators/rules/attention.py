@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ..schema.attention import FUSED_BACKENDS
+from ..recompute_policy import (GRANULARITY, SELECTIVE_FIX, RecomputeRefused, recompute_regions,
+                                replayed_collectives)
 from .base import Context, rule
 
 
@@ -48,57 +50,64 @@ def check_o_groups(ctx: Context):
     return ctx.ok("model.o_groups", m.o_groups)
 
 
-def recompute_problem(recipe) -> tuple[str, object, str] | None:
-    """(field, value, why) of the first recompute setting the bundled job refuses, or None.
-
-    The same refusals as ``model/parallel/recompute.py`` ``modules_from_recipe`` (a test checks the two
-    agree over every name, granularity, cp and ep).
-    """
+def recompute_problem(recipe) -> RecomputeRefused | None:
+    """The refusal of the recipe's recompute setting (``recompute_policy.recompute_regions``, the one the job
+    applies too), or None when the job honours it."""
     p = recipe.parallel
-    mods = list(p.recompute_modules)
-    if p.recompute_granularity == "full":
-        return ("parallel.recompute_granularity", "full", "recomputing whole layers encloses the core attention "
-                "and, at cp > 1, the CP boundary exchange and compressed all-gathers")
-    if p.recompute_granularity == "none":
-        return ("parallel.recompute_modules", mods, "recompute_granularity=none: these modules would be ignored") \
-            if mods else None
-    if not mods:
-        return ("parallel.recompute_modules", [], "selective recompute without modules means ['core_attn'] in Megatron")
-    if "core_attn" in mods:
-        return ("parallel.recompute_modules", mods, "'core_attn' recompute is rejected by V4 hybrid attention")
-    if "mlp" in mods:
-        return ("parallel.recompute_modules", mods, "'mlp' recomputes a dense MLP; every V4 FFN is a MoE (hash "
-                "layers included), so it would recompute nothing")
-    max_cp = max(recipe.stage_cp(st) for st in recipe.curriculum.stages)  # as the job's planner (plan.py)
-    if "moe" in mods and (max_cp > 1 or p.ep > 1):
-        causes = [f"the balance loss's CP sums at cp={max_cp}"] * (max_cp > 1) + \
-            [f"the expert all-to-all at ep={p.ep}"] * (p.ep > 1)
-        return ("parallel.recompute_modules", mods, f"'moe' recompute would enclose collectives ({' and '.join(causes)}) "
-                "and replay them in backward; list 'shared_experts' and 'moe_act' instead")
-    if "shared_experts" in mods and not recipe.model.moe.n_shared_experts:
-        return ("parallel.recompute_modules", mods, "'shared_experts' with model.moe.n_shared_experts=0: nothing to "
-                "recompute")
+    try:
+        recompute_regions(p.recompute_granularity, p.recompute_modules, n_shared_experts=recipe.model.moe.n_shared_experts)
+    except RecomputeRefused as refused:
+        return refused
     return None
 
 
 @rule("V4-RECOMPUTE", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
-      fix="set parallel.recompute_granularity=selective and list modules from layernorm, mla_up_proj, moe_act, "
-          "shared_experts (e.g. parallel.recompute_modules=[mla_up_proj])")
+      fix=SELECTIVE_FIX)
 def check_recompute(ctx: Context):
-    """Recompute only regions the bundled job can replay, without core attention or replayed communication.
+    """Recompute only what the bundled job can replay: never core attention.
 
-    Refused (:func:`recompute_problem`, the job's refusals): ``core_attn`` (between the CP boundary exchange
-    and the compressed all-gather); ``mlp`` (every V4 FFN is a MoE); ``moe`` when a stage runs cp > 1 or
-    ep > 1; ``shared_experts`` without shared experts; granularity ``full``; ``selective`` without modules
-    (Megatron's default is core_attn); ``none`` with modules (ignored).
+    Refused (``validators/recompute_policy.py``, the job's own refusals): ``core_attn`` (between the CP boundary
+    exchange and the compressed all-gather; the attention path already recomputes each query chunk's scores);
+    ``mlp`` (every V4 FFN is a MoE); ``shared_experts`` without shared experts; ``selective`` without modules
+    (Megatron's default is core_attn); ``none`` or ``full`` with modules (they would be ignored). Accepted:
+    selective layernorm, mla_up_proj, moe_act, shared_experts, moe; ``full`` (every layer whole).
 
     Source: Megatron deepseek_v4_hybrid_attention.py:94-99 and transformer_config.py:2192; seed 000 §10;
-    model/parallel/recompute.py.
+    validators/recompute_policy.py; model/parallel/recompute.py.
     """
-    problem = recompute_problem(ctx.recipe)
-    if problem:
-        return ctx.finding(*problem)
-    return ctx.ok("parallel.recompute_modules", list(ctx.parallel.recompute_modules))
+    refused = recompute_problem(ctx.recipe)
+    if refused:
+        return ctx.finding(refused.field, refused.value, refused.why, refused.fix)
+    p = ctx.parallel
+    return ctx.ok(GRANULARITY, p.recompute_granularity, ", ".join(p.recompute_modules))
+
+
+@rule("V4-RECOMPUTE-REPLAY", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
+      severity="warning",
+      fix="measure the step time with and without (benchmarks/recompute_memory.py); where memory allows, "
+          "recompute only regions without collectives: parallel.recompute_granularity=selective with "
+          "parallel.recompute_modules=[layernorm, mla_up_proj, moe_act, shared_experts]")
+def check_recompute_replay(ctx: Context):
+    """A recompute region that encloses collectives replays them in backward: correct, but it costs step time.
+
+    ``full`` at cp > 1 replays the CP boundary exchange and the compressed all-gathers of every layer; ``full``
+    or ``moe`` at ep > 1 replay the expert all-to-all, and at cp > 1 the balance loss's CP sums.
+
+    Source: seed 000 §10 ("an outer recompute boundary that encloses boundary exchange or compressed
+    all-gathers would replay communication during backward ... evaluated in end-to-end step time");
+    validators/recompute_policy.py ``replayed_collectives``.
+    """
+    p = ctx.parallel
+    if recompute_problem(ctx.recipe):
+        return ctx.na("V4-RECOMPUTE refuses the setting")
+    regions = recompute_regions(p.recompute_granularity, p.recompute_modules)
+    max_cp = max(ctx.recipe.stage_cp(st) for st in ctx.recipe.curriculum.stages)
+    replays = replayed_collectives(regions, max_cp=max_cp, ep=p.ep)
+    value = p.recompute_granularity if p.recompute_granularity == "full" else list(p.recompute_modules)
+    field = GRANULARITY if p.recompute_granularity == "full" else "parallel.recompute_modules"
+    if replays:
+        return ctx.finding(field, value, f"recompute replays {'; '.join(replays)} in backward")
+    return ctx.ok(field, value)
 
 
 @rule("V4-OFFLOAD-QKV", fields=("parallel.offload_modules",), scope="recipe",

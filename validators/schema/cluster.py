@@ -18,10 +18,12 @@ GPU_SM: dict[str, int | None] = {
 """Compute capability (major*10 + minor) of each GPU model; None for CPU-only runs."""
 
 GPU_MEMORY_GIB: dict[str, float] = {
-    "cpu": 0.0, "A100": 80.0, "L40S": 48.0, "H100": 80.0, "H200": 141.0, "GH200": 96.0,
+    "cpu": 0.0, "A100": 80.0, "L40S": 48.0, "H100": 80.0, "H200": 139.8, "GH200": 96.0,
     "B200": 180.0, "GB200": 186.0, "B300": 288.0, "GB300": 288.0, "RTX5090": 32.0,
 }
-"""Device memory per GPU model (GiB), used when cluster.gpu_memory_gib is not set."""
+"""Device memory per GPU model (GiB), used when cluster.gpu_memory_gib is not set. H200: what torch reports
+(``get_device_properties(0).total_memory`` = 139.8 GiB on the H200s the calibration ran on; the data sheet's
+141 GB are decimal). The others are data-sheet figures, not yet read off a device."""
 
 
 class ClusterConfig(Section):
