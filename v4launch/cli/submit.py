@@ -18,7 +18,7 @@ HELP = ("Validate RECIPE, freeze it and the code revision into a new run directo
         "on preemption and time limits). Exit 0 submitted, 1 contract violation / refused, 2 usage.")
 EXAMPLES = """Examples:
 
-  v4launch submit recipes/flash_4n.yaml --nodes 4
+  v4launch submit recipes/flash_8n.yaml --nodes 8
 
   v4launch submit --nodes 2                       # the workspace's recipe
 
