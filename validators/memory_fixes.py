@@ -9,11 +9,15 @@ the memory plan of the stage with them. Tried in order, each on its own, the sma
 4. more pipeline ranks (``parallel.pp`` with a balanced ``parallel.pp_layout``): fewer layers per rank;
 5. selective recompute (``parallel.recompute_modules``) of every region without collectives, then
    whole-layer recompute (``parallel.recompute_granularity=full``);
-6. all of the above together (whole-layer recompute included); then the same on 2, 4, … 64 times the nodes (``cluster.nodes``).
+6. all of the above together (whole-layer recompute included).
 
-Every proposal keeps the other rules satisfied where they depend on the same sizes (cp divides the pipeline
-rank's ranks and the sequence into slices of at least the boundary width, ep divides the experts and
-dp·cp, enough micro-batches for the pipeline schedule).
+When nothing on the recipe's nodes fits, :func:`whole_recipe_fit` proposes one set of edits for the whole
+curriculum: the fewest nodes (1, 2, 4, … 64 times the recipe's), a pipeline size, the largest ep, the
+distributed optimizer, whole-layer recompute and each stage's smallest cp that fits.
+
+Every proposal is then checked against every other error rule of the contract (:func:`contract_failures`,
+V4-MEMORY itself left out): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or the CP rules is
+never proposed. Sizes are searched over divisors only, so an absurd world size costs no more than a real one.
 """
 
 from __future__ import annotations
@@ -43,12 +47,17 @@ class Proposal:
     plan: MemoryPlan
 
     def text(self) -> str:
-        """``k=v k2=v2 (plan 98.2 GiB)``."""
-        parts = " ".join(f"{k}={_yaml(v)}" for k, v in self.edits.items())
-        return f"{parts} ({self.plan.total_bytes / 2**30:.1f} GiB)"
+        """``k=v k2=v2 (98.2 GiB)``: the edits and the stage's planned total."""
+        return f"{self.edits_text()} ({self.plan.total_bytes / 2**30:.1f} GiB)"
+
+    def edits_text(self) -> str:
+        """``k=v k2=v2``, values as a dotlist override takes them."""
+        return " ".join(f"{k}={_yaml(v)}" for k, v in self.edits.items())
 
 
 def _yaml(v: Any) -> str:
+    if v is None:
+        return "null"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (list, tuple)):
@@ -74,10 +83,53 @@ def with_edits(recipe: Recipe, edits: dict[str, Any]) -> Recipe:
 
 
 def _plan(recipe: Recipe, index: int, edits: dict[str, Any]) -> MemoryPlan | None:
+    """The stage's plan with ``edits`` when it fits and the edited recipe breaks no other error rule."""
     try:
-        return memory_plan(with_edits(recipe, edits), index)
+        edited = with_edits(recipe, edits)
+        plan = memory_plan(edited, index)
     except (PlanUnavailable, ValueError, ZeroDivisionError):
         return None
+    if not plan.fits or contract_failures(edited):
+        return None
+    return plan
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order (O(sqrt n))."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def contract_failures(recipe: Recipe, skip: tuple[str, ...] = ("V4-MEMORY",)) -> list[str]:
+    """The ids of the error rules (other than ``skip``) that ``recipe`` fails, in registry order.
+
+    A rule that raises counts as failed (the report shows such a crash as a failure too).
+    """
+    from .rules import RULES
+    from .rules.base import Context, Finding
+
+    contexts = {"recipe": [Context(recipe)],
+                "stage": [Context(recipe, i) for i in range(len(recipe.curriculum.stages))]}
+    failed = []
+    for rule in RULES.values():
+        if rule.id in skip or rule.severity != "error":
+            continue
+        for ctx in contexts[rule.scope]:
+            try:
+                out = rule.check(ctx)
+            except Exception:  # noqa: BLE001 - as the report: a crash is a failure
+                out = [None]
+            if isinstance(out, Finding) or (isinstance(out, list) and out):
+                failed.append(rule.id)
+                break
+    return failed
 
 
 def _cp_ok(recipe: Recipe, index: int, cp: int, shard: int) -> bool:
@@ -109,11 +161,11 @@ def _single_changes(recipe: Recipe, index: int, nodes: int) -> list[dict[str, An
     st = recipe.curriculum.stages[index]
     cp_now = recipe.stage_cp(st)
     out = []
-    for cp in range(cp_now + 1, shard + 1):
-        if _cp_ok(recipe, index, cp, shard):
+    for cp in divisors(shard):
+        if cp > cp_now and _cp_ok(recipe, index, cp, shard):
             out.append({**base, f"curriculum.stages.{index}.cp": cp})
-    for ep in range(p.ep + 1, gcd(m.moe.n_routed_experts, shard) + 1):
-        if m.moe.n_routed_experts % ep == 0 and shard % ep == 0:
+    for ep in divisors(gcd(m.moe.n_routed_experts, shard)):
+        if ep > p.ep:
             out.append({**base, "parallel.ep": ep})
     if not p.distributed_optimizer:
         extra = {"precision.keep_fp32_params": False} if p.pp > 1 and recipe.precision.keep_fp32_params else {}
@@ -140,34 +192,20 @@ def _pp_changes(recipe: Recipe, index: int, world: int, base: dict[str, Any]) ->
     return out
 
 
-def _combined(recipe: Recipe, index: int, nodes: int) -> dict[str, Any] | None:
-    """The largest cp for the stage, the largest ep and the distributed optimizer together; on more nodes
-    the global batches grow with the node count where a stage's dp would no longer divide them."""
-    changes = _single_changes(recipe, index, nodes)
-    merged: dict[str, Any] = {} if nodes == recipe.cluster.nodes else {"cluster.nodes": nodes}
-    if recipe.parallel.recompute_granularity != "full":
-        merged.update(FULL_RECOMPUTE)
-    for edits in changes:  # later (larger) values of the same key win: cp and ep are tried in increasing order
+def _combined(recipe: Recipe, index: int) -> dict[str, Any] | None:
+    """Whole-layer recompute, the largest cp for the stage, the largest ep and the distributed optimizer
+    together, on the recipe's nodes."""
+    merged: dict[str, Any] = {} if recipe.parallel.recompute_granularity == "full" else dict(FULL_RECOMPUTE)
+    for edits in _single_changes(recipe, index, recipe.cluster.nodes):  # later (larger) cp and ep win
         if "parallel.pp" not in edits:
             merged.update(edits)
-    if nodes != recipe.cluster.nodes:
-        p = recipe.parallel
-        shard = nodes * recipe.cluster.gpus_per_node // (p.tp * p.pp)
-        cps = [merged.get(f"curriculum.stages.{i}.cp", recipe.stage_cp(st)) for i, st in enumerate(recipe.curriculum.stages)]
-        if not _batches_ok(recipe, p.pp, shard, cps):
-            k = nodes // recipe.cluster.nodes
-            merged["parallel.global_batch_size"] = p.global_batch_size * k
-            for i, st in enumerate(recipe.curriculum.stages):
-                if st.global_batch_size is not None:
-                    merged[f"curriculum.stages.{i}.global_batch_size"] = st.global_batch_size * k
-            if not _batches_ok(with_edits(recipe, merged), p.pp, shard, cps):
-                return None
     return merged or None
 
 
-def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> tuple[list[Proposal], Proposal | None]:
-    """Up to ``limit`` edits that make stage ``index`` fit on the recipe's nodes (smallest first), and,
-    when none does, the smallest node count (with the combined settings) that fits, else None."""
+def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
+    """Up to ``limit`` edits that make stage ``index`` fit on the recipe's nodes and break no other error
+    rule (smallest first), else the combination of them when it does; [] when nothing on these nodes
+    does (:func:`whole_recipe_fit` then searches more nodes and other pipeline sizes)."""
     found: list[Proposal] = []
     seen: set[str] = set()
     for edits in _single_changes(recipe, index, recipe.cluster.nodes) + _recompute_changes(recipe):
@@ -175,26 +213,153 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> tuple[list[Prop
         if key in seen:
             continue
         plan = _plan(recipe, index, edits)
-        if plan is not None and plan.fits:
+        if plan is not None:
             found.append(Proposal(edits, plan))
             seen.add(key)
         if len(found) >= limit:
-            return found, None
+            return found
     if found:
-        return found, None
-    combined = _combined(recipe, index, recipe.cluster.nodes)
-    if combined:
-        plan = _plan(recipe, index, combined)
-        if plan is not None and plan.fits:
-            return [Proposal(combined, plan)], None
-    scale = 2
-    while scale <= MAX_NODE_SCALE:
-        combined = _combined(recipe, index, recipe.cluster.nodes * scale)
-        plan = _plan(recipe, index, combined) if combined else None
-        if plan is not None and plan.fits:
-            return [], Proposal(combined, plan)
+        return found
+    combined = _combined(recipe, index)
+    plan = _plan(recipe, index, combined) if combined else None
+    return [Proposal(combined, plan)] if plan is not None else []
+
+
+_WHOLE_CACHE: dict[int, tuple[Recipe, "Proposal | None"]] = {}
+
+
+def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
+    """One set of edits under which every curriculum stage fits and no other error rule fails, else None.
+
+    Search order (the first that works is returned): the recipe's nodes, then 2, 4, … ``MAX_NODE_SCALE`` times
+    as many; at each, the recipe's pp first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model
+    when pp changes); the largest ep dividing the experts and the pipeline rank's ranks (fewest experts per
+    GPU); the distributed optimizer and whole-layer recompute; per stage the smallest cp that fits (the
+    most data parallelism); the global batches doubled until every stage splits them over its dp into
+    enough micro-batches for the schedule. ``Proposal.plan`` is the plan of the stage that needs the most.
+    Cached per recipe object (every failing stage of one validate run shares the answer).
+    """
+    hit = _WHOLE_CACHE.get(id(recipe))
+    if hit is not None and hit[0] is recipe:
+        return hit[1]
+    if len(_WHOLE_CACHE) > 8:
+        _WHOLE_CACHE.clear()
+    found = None
+    scale = 1
+    while found is None and scale <= MAX_NODE_SCALE:
+        for pp in _pp_candidates(recipe, recipe.cluster.nodes * scale):
+            found = _whole_fit_at(recipe, recipe.cluster.nodes * scale, pp)
+            if found is not None:
+                break
         scale *= 2
-    return [], None
+    _WHOLE_CACHE[id(recipe)] = (recipe, found)
+    return found
+
+
+def _pp_candidates(recipe: Recipe, nodes: int) -> list[int]:
+    p, m = recipe.parallel, recipe.model
+    world = nodes * recipe.cluster.gpus_per_node
+    out = [p.pp] + [pp for pp in (1, 2, 4, 8, 16, 32) if pp != p.pp]
+    return [pp for pp in out if world % (p.tp * pp) == 0 and pp * (p.vpp if pp > 1 else 1) <= m.n_layers]
+
+
+def _whole_fit_at(recipe: Recipe, nodes: int, pp: int) -> Proposal | None:
+    p, c, m = recipe.parallel, recipe.cluster, recipe.model
+    shard = nodes * c.gpus_per_node // (p.tp * pp)
+    vpp = p.vpp if pp > 1 else 1
+    edits: dict[str, Any] = {"cluster.nodes": nodes, "parallel.pp": pp, "parallel.vpp": vpp,
+                             "parallel.ep": max(divisors(gcd(m.moe.n_routed_experts, shard))),
+                             "parallel.distributed_optimizer": True, **FULL_RECOMPUTE}
+    if pp * vpp == 1:
+        edits["parallel.pp_layout"] = None
+    elif pp != p.pp or vpp != p.vpp:
+        st = recipe.curriculum.stages[0]
+        layout = propose_layout(unit_costs(m, st.seq_len, st.phase, recipe.attention.indexer_loss_coeff > 0),
+                                pp * vpp, m.moe.n_hash_layers)
+        if layout is None:
+            return None
+        edits["parallel.pp_layout"] = layout
+    if pp > 1 and recipe.precision.keep_fp32_params:
+        edits["precision.keep_fp32_params"] = False
+    stages = recipe.curriculum.stages
+    options = {i: [cp for cp in divisors(shard) if _cp_ok(recipe, i, cp, shard)] for i in range(len(stages))}
+    for i in sorted(options, key=lambda j: -stages[j].seq_len):  # the longest first: a shape that cannot fit fails fast
+        if not options[i] or not _fits(recipe, i, {**edits, f"curriculum.stages.{i}.cp": options[i][-1]}):
+            return None  # the most CP does not fit: none does
+    # the most CP leaves the fewest data-parallel ranks, the easiest batches: if the contract fails there, give up
+    if _with_batches(recipe, edits, pp, shard, [options[i][-1] for i in range(len(stages))]) is None:
+        return None
+    edits = _with_batches(recipe, edits, pp, shard, [_smallest_fitting_cp(recipe, i, edits, options[i])
+                                                     for i in range(len(stages))])
+    if edits is None:
+        return None
+    edited = with_edits(recipe, edits)  # passed the contract's other rules in _with_batches
+    try:
+        plans = [memory_plan(edited, i) for i in range(len(recipe.curriculum.stages))]
+    except (PlanUnavailable, ValueError, ZeroDivisionError):
+        return None
+    if not all(plan.fits for plan in plans):
+        return None
+    return Proposal(_changed(recipe, edits), max(plans, key=lambda plan: plan.total_bytes))
+
+
+def _with_batches(recipe: Recipe, edits: dict[str, Any], pp: int, shard: int, cps: list[int]) -> dict[str, Any] | None:
+    """``edits`` with each stage's cp, and the global batches doubled (up to ``MAX_NODE_SCALE`` times) until every
+    stage splits its batch over dp = shard / cp into enough micro-batches; None when no such batch passes the
+    contract's other rules."""
+    edits = {**edits, **{f"curriculum.stages.{i}.cp": cp for i, cp in enumerate(cps)}}
+    k = 1
+    while k <= MAX_NODE_SCALE:
+        if k > 1:
+            edits["parallel.global_batch_size"] = recipe.parallel.global_batch_size * k
+            for i, st in enumerate(recipe.curriculum.stages):
+                if st.global_batch_size is not None:
+                    edits[f"curriculum.stages.{i}.global_batch_size"] = st.global_batch_size * k
+        edited = with_edits(recipe, edits)
+        if _batches_ok(edited, pp, shard, cps):
+            failed = contract_failures(edited)
+            if not failed:
+                return edits
+            if "V4-PP-MICROBATCHES" not in failed and "V4-BATCH" not in failed:
+                return None  # a rule that a larger batch does not fix
+        k *= 2
+    return None
+
+
+def _smallest_fitting_cp(recipe: Recipe, index: int, edits: dict[str, Any], options: list[int]) -> int:
+    """The smallest of ``options`` (increasing; the last one fits) under which stage ``index`` fits, by
+    bisection: the plan shrinks as cp grows (fewer rows per rank); the caller checks every stage's plan again."""
+    lo, hi = 0, len(options) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(recipe, index, {**edits, f"curriculum.stages.{index}.cp": options[mid]}):
+            hi = mid
+        else:
+            lo = mid + 1
+    return options[lo]
+
+
+def _fits(recipe: Recipe, index: int, edits: dict[str, Any]) -> bool:
+    try:
+        return memory_plan(with_edits(recipe, edits), index).fits
+    except (PlanUnavailable, ValueError, ZeroDivisionError):
+        return False
+
+
+def _changed(recipe: Recipe, edits: dict[str, Any]) -> dict[str, Any]:
+    """``edits`` without the keys whose value the recipe already has (stage cp: its effective cp)."""
+    out = {}
+    for key, value in edits.items():
+        head, _, rest = key.partition(".")
+        if head == "curriculum":
+            _, index, attr = rest.split(".")
+            st = recipe.curriculum.stages[int(index)]
+            now = recipe.stage_cp(st) if attr == "cp" else getattr(st, attr)
+        else:
+            now = getattr(getattr(recipe, head), rest)
+        if (list(now) if isinstance(now, tuple) else now) != value:
+            out[key] = value
+    return out
 
 
 def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:

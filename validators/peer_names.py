@@ -16,6 +16,9 @@ TORCHTITAN = "torchtitan's"
 PEER_NAMES: dict[str, tuple[str, str]] = {
     # Megatron-LM (and Megatron-Bridge / Primus)
     "num_layers": (MEGATRON, "model.n_layers"),
+    # granularity full recomputes every layer (Megatron's uniform method with one layer per chunk)
+    "recompute_method": (MEGATRON, "parallel.recompute_granularity"),
+    "recompute_num_layers": (MEGATRON, "parallel.recompute_granularity"),
     "hidden_size": (HF + " and " + MEGATRON, "model.dim"),
     "num_attention_heads": (HF + " and " + MEGATRON, "model.n_heads"),
     "num_moe_experts": (MEGATRON, "model.moe.n_routed_experts"),

@@ -55,8 +55,16 @@ def _annotation_at(loc: tuple) -> Any:
     return ann
 
 
+SUGGEST_MAX_CHARS = 200
+"""Longer words get no suggestion: no field or value name is that long, and the matcher is quadratic in it."""
+
+
 def did_you_mean(word: str, choices: list[str]) -> list[str]:
-    """The closest of ``choices`` to ``word`` (ties go to a shared first letter); [] when none is close."""
+    """The closest of ``choices`` to ``word`` (ties go to a shared first letter); [] when none is close or
+    ``word`` is longer than :data:`SUGGEST_MAX_CHARS`."""
+    if len(word) > SUGGEST_MAX_CHARS:
+        return []
+
     def score(c: str) -> tuple[float, bool]:
         return difflib.SequenceMatcher(None, word.lower(), c.lower()).ratio(), c[:1].lower() == word[:1].lower()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_validate_fixes import proposed_edits
 from validate_helpers import RECIPES, invoke, validate_file
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators.memory_fixes import with_edits
@@ -139,11 +140,50 @@ def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
     assert re.search(r"needs [\d.]+ GiB per GPU > 139\.8 GiB", v.message)
     assert len(re.findall(r"\b[a-z][a-z +0-9-]* [\d.]+ GiB", v.message.split("largest:")[1])) == 3
     assert "parameters" in v.message and "optimizer states" in v.message  # the experts alone do not fit
-    edits = dict(e.split("=") for e in re.match(r"set (.*?) \(", v.fix).group(1).split())
-    assert int(edits["cluster.nodes"]) > 1 and "nothing fits on the recipe's 1 node" in v.fix
-    recipe = load_recipe(RECIPES / "flash_4n.yaml", over).recipe
-    fixed = with_edits(recipe, {k: yaml.safe_load(x) for k, x in edits.items()})
-    assert memory_plan(fixed, 0).fits
+    edits = proposed_edits(v.fix)
+    assert "cluster.nodes=8" in edits and "nothing fits on the recipe's 1 node(s), 8 is the fewest" in v.fix
+    fixed = validate_file(RECIPES / "flash_4n.yaml", [*over, *edits])
+    assert fixed.ok and all(s.derived["memory"]["fits"] for s in fixed.stages)
+
+
+OVER_BUDGET_VARIANTS = [
+    ("flash_4n.yaml", []),
+    ("flash_8n.yaml", ["parallel.recompute_granularity=none"]),
+    ("flash_8n.yaml", ["parallel.ep=16"]),
+    ("flash_8n.yaml", ["cluster.gpu_memory_gib=80"]),
+    ("pro_64n.yaml", ["cluster.gpu_memory_gib=100"]),
+    ("pro.yaml", ["parallel.distributed_optimizer=false"]),
+    ("bench_h200.yaml", ["cluster.gpu_memory_gib=20"]),
+]
+
+
+@pytest.mark.parametrize("name,over", OVER_BUDGET_VARIANTS, ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_every_proposed_memory_fix_validates_and_the_job_plans_it(name, over):
+    """Apply the first alternative of every V4-MEMORY fix (several stages may propose different ones: each is
+    tried on its own); the recipe must then validate with no error, and the job's planner accept it."""
+    from v4launch.training.plan import plan_curriculum
+
+    report = validate_file(RECIPES / name, over)
+    assert report.failed_rule_ids() == {"V4-MEMORY"}, [(v.rule_id, v.message) for v in report.violations]
+    whole = [v for v in report.violations if "(every stage then fits" in v.fix]
+    for v in report.violations:
+        edits = proposed_edits(v.fix)
+        assert edits, v.fix
+        fixed = validate_file(RECIPES / name, [*over, *edits])
+        if v in whole or len(report.violations) == 1:
+            assert fixed.ok, (v.fix, [(x.rule_id, x.stage, x.message) for x in fixed.violations])
+            recipe = load_recipe(RECIPES / name, [*over, *edits]).recipe
+            plan_curriculum(recipe, recipe.cluster.world_size)
+        else:  # a one-stage fix: that stage fits and no rule other than V4-MEMORY fails
+            assert fixed.failed_rule_ids() <= {"V4-MEMORY"}
+            assert v.stage not in {x.stage for x in fixed.violations}
+
+
+def test_the_fix_search_is_quick_for_an_absurd_world():
+    start = time.perf_counter()
+    report = validate_file(RECIPES / "flash_8n.yaml", ["cluster.nodes=1048576", "parallel.global_batch_size=8388608"])
+    assert time.perf_counter() - start < 10.0
+    assert "V4-MEMORY" not in report.failed_rule_ids()
 
 
 def test_a_1m_stage_at_cp1_fails_and_the_proposed_cp_validates(base_file: Path):

@@ -117,6 +117,37 @@ def test_explain(in_tmp: Path):
     assert json.loads(out)["source"].startswith("Megatron")
 
 
+def test_explain_prints_fixes_and_sources_whole():
+    """A fix holding a YAML list is printed as written (not read as console markup), and a Source: paragraph
+    over several docstring lines is kept whole."""
+    code, out, _, _ = invoke(["explain", "V4-RECOMPUTE"])
+    flat = " ".join(out.split())
+    assert code == 0 and "parallel.recompute_modules=[mla_up_proj]" in flat
+    assert "model/parallel/recompute.py" in flat  # the source's second line
+    code, out, _, _ = invoke(["explain", "V4-RECOMPUTE-REPLAY", "--json"])
+    assert json.loads(out)["source"].endswith("``replayed_collectives``.")
+    for rule in RULES.values():
+        assert rule.source.count("(") == rule.source.count(")"), (rule.id, rule.source)
+
+
+def test_validate_into_a_closed_pipe_exits_with_its_verdict(tmp_path: Path):
+    """`v4launch validate … | head -1`: the reader has left; the exit code is still 0 for a clean recipe and 1
+    for a violation, without a traceback (rich alone exits 1 for both). The pipe's read end is closed before
+    the command writes, so every write meets a broken pipe."""
+    import os
+
+    for name, want in (("flash_8n.yaml", 0), ("flash_4n.yaml", 1)):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "v4launch", "validate", str(RECIPES / name)], cwd=tmp_path,
+                                  stdout=write_end, stderr=subprocess.PIPE, timeout=60)
+        finally:
+            os.close(write_end)
+        err = proc.stderr.decode()
+        assert proc.returncode == want and "Traceback" not in err and "Exception" not in err, (name, err)
+
+
 def test_help_has_examples():
     code, out, _, _ = invoke(["validate", "--help"])
     assert code == 0 and "validate recipes/flash_4n.yaml" in out and "Exit 0" in " ".join(out.split())

@@ -25,11 +25,20 @@ PIPE_WIDTH = 200
 """Line width of output that does not go to a terminal (rich would fold it at 80 columns)."""
 
 
+class _PipeConsole(Console):
+    """rich's Console, except that a reader leaving the pipe raises ``BrokenPipeError`` to the command (rich
+    itself exits 1, which would read as a contract violation) once stdout points at /dev/null."""
+
+    def on_broken_pipe(self) -> None:
+        reader_left()
+        raise BrokenPipeError
+
+
 class Output:
     """One sink for all command output: rich text to stdout, or JSON, or nothing (quiet)."""
 
     def __init__(self) -> None:
-        self.console = Console(highlight=False)
+        self.console = _PipeConsole(highlight=False)
         self.err = Console(stderr=True, highlight=False)
         for console in (self.console, self.err):
             if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -45,6 +54,16 @@ class Output:
 
 
 OUT = Output()
+
+
+def reader_left() -> None:
+    """After a ``BrokenPipeError`` on stdout (``v4launch validate … | head``): point stdout at /dev/null so the
+    interpreter's last flush does not fail again; the command then exits with its own verdict."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 def report_error(error: V4LaunchError) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import UsageError
@@ -45,7 +46,7 @@ def _list_rules() -> None:
     for name in ("rule", "severity", "statement"):
         table.add_column(name, overflow="fold")
     for rule in RULES.values():
-        table.add_row(rule.id, rule.severity, rule.statement)
+        table.add_row(rule.id, rule.severity, escape(rule.statement))
     OUT.console.print(table)
 
 
@@ -72,7 +73,6 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
         return
     con = OUT.console
     con.print(f"[bold]{rule.id}[/bold]  ({rule.severity}, checked {'once per recipe' if rule.scope == 'recipe' else 'per curriculum stage'})")
-    con.print(f"  rule:   {rule.statement}")
-    con.print(f"  source: {rule.source}")
-    con.print(f"  fields: {', '.join(rule.fields)}")
-    con.print(f"  fix:    {rule.fix}")
+    for label, text in (("rule", rule.statement), ("source", rule.source), ("fields", ", ".join(rule.fields)),
+                        ("fix", rule.fix)):  # plain text: "[...]" in a fix is a YAML list, not console markup
+        con.print(f"  {label + ':':7} {escape(text)}")

@@ -5,6 +5,7 @@ Exit codes: 0 clean (warnings allowed), 1 contract violation, 2 unreadable recip
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -14,7 +15,7 @@ from rich.text import Text
 
 from ..errors import RecipeError
 from ..workspace import Workspace
-from .common import OUT, JsonOpt, OverridesArg
+from .common import OUT, JsonOpt, OverridesArg, reader_left
 
 if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
     from ..validators import Report, RuleResult, StageResult
@@ -74,10 +75,14 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         raise
     workspace.remember(recipe=str(loaded.path))
     report = validate_recipe(loaded)
-    if as_json:
-        OUT.json(report.to_dict())
-    else:
-        render(report, loaded.recipe)
+    try:
+        if as_json:
+            OUT.json(report.to_dict())
+        else:
+            render(report, loaded.recipe)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `v4launch validate … | head`: the exit code is still the verdict
+        reader_left()
     if not report.ok:
         raise typer.Exit(1)
 

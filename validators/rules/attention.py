@@ -84,9 +84,9 @@ def check_recompute(ctx: Context):
 
 @rule("V4-RECOMPUTE-REPLAY", fields=("parallel.recompute_granularity", "parallel.recompute_modules"), scope="recipe",
       severity="warning",
-      fix="measure the step time with and without (benchmarks/recompute_memory.py); where memory allows, "
-          "recompute only regions without collectives: parallel.recompute_granularity=selective with "
-          "parallel.recompute_modules=[layernorm, mla_up_proj, moe_act, shared_experts]")
+      fix="nothing to change when the memory plan needs it (V4-MEMORY); measure the step with and without "
+          "(benchmarks/recompute_memory.py --configs none,full) and, where memory allows, prefer selective "
+          "recompute of the regions without collectives (layernorm, mla_up_proj, moe_act, shared_experts)")
 def check_recompute_replay(ctx: Context):
     """A recompute region that encloses collectives replays them in backward: correct, but it costs step time.
 

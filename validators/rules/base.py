@@ -77,10 +77,15 @@ RULES: dict[str, Rule] = {}
 def _docstring_parts(func: Callable) -> tuple[str, str]:
     doc = inspect.getdoc(func) or ""
     lines = doc.splitlines()
-    source = [ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("Source:")]
-    if not lines or not source:
+    start = next((i for i, ln in enumerate(lines) if ln.strip().startswith("Source:")), None)
+    if not lines or start is None:
         raise TypeError(f"rule {func.__name__}: docstring needs a statement line and a 'Source:' line")
-    return lines[0].strip(), source[0]
+    source = [lines[start].split(":", 1)[1].strip()]
+    for ln in lines[start + 1:]:  # the paragraph the Source: line opens (its continuation lines)
+        if not ln.strip():
+            break
+        source.append(ln.strip())
+    return lines[0].strip(), " ".join(source)
 
 
 def rule(rule_id: str, *, fields: tuple[str, ...], fix: str, severity: Severity = "error", scope: Scope = "stage"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..memory_fixes import fit_proposals
+from ..memory_fixes import fit_proposals, whole_recipe_fit
 from ..memory_plan import GIB, PlanUnavailable, memory_plan
 from .base import Context, rule
 
@@ -16,7 +16,8 @@ def _gib(n: int) -> str:
                            "parallel.micro_batch_size", "parallel.global_batch_size", "parallel.recompute_modules",
                            "parallel.recompute_granularity", "parallel.pp_layout", "precision.keep_fp32_params",
                            "curriculum.stages.*.global_batch_size"),
-      fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, or more nodes")
+      fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, selective or "
+          "whole-layer recompute, or more nodes (the rule proposes the edits)")
 def check_memory(ctx: Context):
     """The per-rank memory plan of a stage (parameters, gradients, optimizer, activations, CP buffers, loss, headroom) fits the GPU.
 
@@ -33,17 +34,27 @@ def check_memory(ctx: Context):
     if plan.fits:
         return ctx.ok(field, round(budget / GIB, 1), f"peak {_gib(plan.total_bytes)} of {_gib(budget)} ({where})")
     top = ", ".join(f"{t.label} {_gib(t.bytes)}" for t in plan.largest(3, without=("headroom",)))
-    found, more_nodes = fit_proposals(ctx.recipe, ctx.index)
-    if found:
-        fix = "set " + ", or ".join(p.text() for p in found)
-    elif more_nodes is not None:
-        grows = any("global_batch_size" in k for k in more_nodes.edits)
-        fix = (f"set {more_nodes.text()}: nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s) "
-               "(pp, cp, ep and the distributed optimizer tried)" + ("; the larger global batches keep every "
-               "stage's batch divisible over the new dp, so tokens per step grow too" if grows else ""))
-    else:
-        fix = (f"no pp, cp, ep, distributed_optimizer or node count up to 64x fits {_gib(budget)}: shorten "
-               f"curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
+    fix = _fix_text(ctx, budget)
     return ctx.finding(field, round(budget / GIB, 1),
                        f"stage {plan.stage_name} needs {_gib(plan.total_bytes)} per GPU > {_gib(budget)} ({where}); "
                        f"largest: {top}", fix)
+
+
+def _fix_text(ctx: Context, budget: int) -> str:
+    """The fix of an over-budget stage: edits on the recipe's nodes that make this stage fit, else one set of
+    edits for the whole curriculum (``memory_fixes.whole_recipe_fit``), else what is left to change."""
+    found = fit_proposals(ctx.recipe, ctx.index)
+    if found:
+        return "set " + ", or ".join(p.text() for p in found)
+    whole = whole_recipe_fit(ctx.recipe)
+    if whole is None:
+        return (f"no pp, cp, ep, distributed_optimizer, recompute or node count up to 64x fits {_gib(budget)}: "
+                f"shorten curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
+    nodes = whole.edits.get("cluster.nodes", ctx.recipe.cluster.nodes)
+    grows = any("global_batch_size" in k for k in whole.edits)
+    return (f"set {whole.edits_text()} (every stage then fits, at most {_gib(whole.plan.total_bytes)} in stage "
+            f"{whole.plan.stage_name}, and no other rule fails)"
+            + (f"; nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s), {nodes} is the fewest"
+               if nodes != ctx.recipe.cluster.nodes else "")
+            + ("; the larger global batches keep every stage's batch divisible over the new dp, so tokens "
+               "per step grow too" if grows else ""))
