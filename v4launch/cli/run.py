@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Annotated, Any
@@ -48,6 +49,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
 
+    check_profile_env()  # before a run directory exists: a bad V4LAUNCH_PROFILE_STEPS must not leave a failed run
     ws = Workspace.current()
     path, extra = _split_recipe(recipe, list(overrides or []))
     if path is None:
@@ -75,6 +77,18 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     info = LocalLauncher().launch(run_dir, max_steps=max_steps, progress=not no_progress)
     print_summary(run_dir, info.result, dataset.entropy_nats)
     exit_if_stopped(run_dir, info.result)
+
+
+def check_profile_env() -> None:
+    """Refuse a malformed ``V4LAUNCH_PROFILE_STEPS`` (training/step_profile.py) before anything starts.
+
+    Raises:
+        UsageError: the variable is set but not ``first:last`` with 1 <= first <= last.
+    """
+    from ..training.step_profile import ENV, parse_steps
+
+    if os.environ.get(ENV, "").strip():
+        parse_steps(os.environ[ENV])
 
 
 EXIT_STOPPED = 130  # the shell's code for an interrupt: stopped by Ctrl-C / SIGTERM, checkpoint saved

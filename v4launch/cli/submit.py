@@ -49,7 +49,9 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     from ..slurm.submit import check_clean, code_revision, dry_run_script, prepare_run, submit_run
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
+    from .run import check_profile_env
 
+    check_profile_env()  # the jobs inherit the environment: refuse a malformed one before anything is queued
     ws = Workspace.current()
     path, extra = _split_recipe(recipe, list(overrides or []))
     if path is None:

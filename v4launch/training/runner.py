@@ -27,6 +27,7 @@ from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum, recompute_names
 from .released_init import load_released_init
 from .result import TrainResult
+from .step_profile import StepProfiler
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
                     set_rng_state, stage_seed)
 from .step import autocast_for, evaluate, loss_weights, train_step
@@ -50,6 +51,7 @@ class Runner:
         self.boundary = boundary_width(self.args.window_size, self.args.compress_ratios)
         self.autocast = autocast_for(self.recipe.precision.dtype, info.device)
         self.ckpt_root = run.paths.checkpoints
+        self.profiler = StepProfiler(run.paths.root / "profile", info.rank)  # V4LAUNCH_PROFILE_STEPS, off by default
         self.metrics: Any = None
         self.loader = self.batches = None
         self._saved_loader: dict | None = None
@@ -307,6 +309,7 @@ class Runner:
         lr, muon_lr = self.schedule.lr(sched)
         self.opt.set_lr(lr, muon_lr)
         weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
+        self.profiler.begin(self.progress.step + 1)
         t0 = time.monotonic()
         batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary)
         stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
@@ -327,6 +330,9 @@ class Runner:
         interval = self.recipe.logging.interval_steps
         show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+        table = self.profiler.end(p.step)
+        if table is not None:
+            self.metrics.event(p.step, "profile", f"torch.profiler of steps {self.profiler.steps[0]}-{p.step}: {table}")
 
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""

@@ -1,0 +1,61 @@
+"""V4LAUNCH_PROFILE_STEPS (training/step_profile.py): a profile of the chosen steps of a run, or a clear refusal.
+
+The profiler's own numbers are torch's; what is checked here is the contract around them: which steps are
+recorded, what is written where, and that a malformed value is refused before a run directory exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from v4launch.errors import UsageError
+from v4launch.training.step_profile import ENV, StepProfiler, parse_steps
+
+
+def test_parse_steps():
+    assert parse_steps("5:8") == (5, 8) and parse_steps(" 7 ") == (7, 7) and parse_steps("3:3") == (3, 3)
+    for bad in ("0:2", "4:2", "x", "2:y", ":3", "-1:2", "1:2:3"):
+        with pytest.raises(UsageError, match=re.escape(f"{ENV}={bad!r}")):
+            parse_steps(bad)
+
+
+def test_profiles_exactly_the_steps_asked_for(tmp_path: Path):
+    prof = StepProfiler(tmp_path / "profile", rank=3, spec="2:3")
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    written = []
+    for step in range(1, 6):
+        prof.begin(step)
+        for _ in range(step * 10):  # a different number of matmuls per step: the table counts those of 2 and 3
+            a = torch.tanh(a @ b)
+        written.append(prof.end(step))
+    assert written[:2] == [None, None] and written[3:] == [None, None]
+    table = written[2]
+    assert table == tmp_path / "profile" / "rank3_steps2-3.txt"
+    text = table.read_text()
+    assert re.match(r"steps 2-3 \(2\), rank 3: wall [\d.]+ ms/step, host \(self CPU\) [\d.]+ ms/step", text)
+    calls = int(re.search(r"aten::mm\s.*?\s(\d+)\s*$", text, re.M).group(1))
+    assert calls == 20 + 30
+
+
+def test_off_without_the_variable(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    prof = StepProfiler(tmp_path, rank=0)
+    prof.begin(1)
+    assert prof.steps is None and prof.end(1) is None and not list(tmp_path.iterdir())
+
+
+def test_a_malformed_value_is_refused_before_a_run_exists(tmp_path: Path, monkeypatch):
+    from test_train_crash_and_cli import _cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV, "9:1")
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
+    code, out = _cli("run", str(recipe), "--max-steps", "1")
+    assert code == 2 and f"{ENV}='9:1'" in out and "first <= last" in out
+    assert not (tmp_path / "runs").exists()
+    code, out = _cli("submit", str(recipe), "--dry-run")
+    assert code == 2 and f"{ENV}='9:1'" in out

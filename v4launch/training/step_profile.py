@@ -1,0 +1,98 @@
+"""Profile a range of training steps of a real run: ``V4LAUNCH_PROFILE_STEPS=first:last v4launch run …``.
+
+torch.profiler records steps ``first`` to ``last`` (global optimizer steps, 1-based, both included) on every
+rank, with CPU and CUDA activity. When the last one ends, each rank writes
+``<run>/profile/rank<R>_steps<first>-<last>.txt``: wall, host (self CPU) and device (self CUDA) time per step,
+then the operators and kernels that took the most time (``key_averages``). An environment variable, not a
+recipe field: it changes nothing the run computes, reaches the worker processes and Slurm jobs unchanged,
+and is not frozen into the run's recipe.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+ENV = "V4LAUNCH_PROFILE_STEPS"
+ROWS = 40
+"""Operators listed per table."""
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"5:8"`` -> (5, 8); ``"7"`` -> (7, 7).
+
+    Raises:
+        UsageError: not ``first:last`` with 1 <= first <= last (names the variable, the value and the fix).
+    """
+    first, _, last = text.strip().partition(":")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        a, b = 0, -1
+    if not 1 <= a <= b:
+        raise UsageError(f"{ENV}={text!r}: expected first:last, two global step numbers with 1 <= first <= last",
+                         hint=f"e.g. {ENV}=5:8 profiles steps 5 to 8; unset it to train without the profiler")
+    return a, b
+
+
+class StepProfiler:
+    """Starts torch.profiler before step ``first`` and writes its tables after step ``last`` (or does nothing).
+
+    Args:
+        out_dir: where the table goes (``<run>/profile``); rank: this process's global rank.
+        spec: the ``first:last`` text (default: the environment variable; None or empty: off).
+    Raises:
+        UsageError: a malformed spec (:func:`parse_steps`).
+    """
+
+    def __init__(self, out_dir: Path, rank: int, spec: str | None = None) -> None:
+        spec = os.environ.get(ENV, "") if spec is None else spec
+        self.steps = parse_steps(spec) if spec.strip() else None
+        self.out_dir, self.rank = out_dir, rank
+        self._prof: Any = None
+        self._t0 = 0.0
+
+    def begin(self, step: int) -> None:
+        """Call before global step ``step`` (1-based) runs."""
+        if self.steps is None or step != self.steps[0]:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._prof = profile(activities=activities)
+        self._prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def end(self, step: int) -> Path | None:
+        """Call after global step ``step`` ran; after the last profiled step, returns the table written."""
+        if self._prof is None or self.steps is None or step != self.steps[1]:
+            return None
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        prof, self._prof = self._prof, None
+        return self._write(prof, wall)
+
+    def _write(self, prof: Any, wall: float) -> Path:
+        first, last = self.steps
+        n = last - first + 1
+        events = prof.key_averages()
+        cpu = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+        cuda = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3 / n
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"rank{self.rank}_steps{first}-{last}.txt"
+        header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, host (self CPU) "
+                  f"{cpu:.1f} ms/step, device (self CUDA) {cuda:.1f} ms/step\n\n")
+        path.write_text(header + events.table(sort_by=sort, row_limit=ROWS) + "\n")
+        return path
