@@ -3,7 +3,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 REPO=$PWD
 pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "install of v4launch failed"
+pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/site . >/dev/null 2>&1 || echo "install of v4launch failed"
 export PYTHONPATH=/tmp/site
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"

@@ -39,6 +39,22 @@ def parse_steps(text: str) -> tuple[int, int]:
     return a, b
 
 
+def host_and_device_ms(events: Any) -> tuple[float, float]:
+    """(host, device) milliseconds of a ``key_averages()`` list, each counted once.
+
+    Host: the self CPU time of the CPU events (self times partition the host's call tree). Device: the self
+    time of the device's own events (kernels, copies, sets), not the CPU operators that launched them (they
+    repeat their kernels' time) nor the ranges marked on the device timeline by ``record_function`` and the
+    optimizer (``Optimizer.step#…``, autograd functions: they span their kernels).
+    """
+    from torch.autograd import DeviceType
+
+    host = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+    device = sum(getattr(e, "self_device_time_total", 0.0) for e in events
+                 if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    return host / 1e3, device / 1e3
+
+
 class StepProfiler:
     """Starts torch.profiler before step ``first`` and writes its tables after step ``last`` (or does nothing).
 
@@ -87,8 +103,8 @@ class StepProfiler:
         first, last = self.steps
         n = last - first + 1
         events = prof.key_averages()
-        cpu = sum(e.self_cpu_time_total for e in events) / 1e3 / n
-        cuda = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3 / n
+        cpu, cuda = host_and_device_ms(events)
+        cpu, cuda = cpu / n, cuda / n
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"rank{self.rank}_steps{first}-{last}.txt"
