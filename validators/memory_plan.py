@@ -40,8 +40,13 @@ from .schema.cluster import GPU_MEMORY_GIB
 from .schema.recipe import Recipe
 
 GIB = 1 << 30
+LIBRARY_WORKSPACE_BYTES = 64 << 20
+"""cuBLAS workspaces the caching allocator hands out on a GPU: 32 MiB for the forward's stream and 32 MiB for
+autograd's backward thread (benchmarks/library_workspaces.py on an H200: 64.1 MiB); torch's
+``max_memory_allocated`` sees them."""
+
 HEADROOM_FIXED_BYTES = 2 * GIB
-"""CUDA context, cuBLAS / Triton workspaces and NCCL buffers: memory torch's allocator does not report."""
+"""CUDA context, Triton and NCCL buffers: memory torch's allocator does not report."""
 FRAGMENTATION = 0.05
 """Share of the allocated bytes the caching allocator loses to fragmentation (reserved minus allocated)."""
 LOGIT_CHUNK_ELEMENTS = 1 << 28
@@ -356,6 +361,8 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
                    ("one layer re-run whole + its backward + attention workspace" if FULL_LAYER in s.recompute
                     else "one layer's backward + attention workspace") if ws >= ce else "head + loss chunk, weight grad"),
         MemoryTerm("fsdp", "FSDP unsharded block", fsdp, "fp32", "gathered params x2 + grads" if fsdp else "no FSDP"),
+        MemoryTerm("workspaces", "library workspaces", LIBRARY_WORKSPACE_BYTES if recipe.cluster.sm else 0, "-",
+                   "cuBLAS, forward stream and backward thread"),
     ]
     allocated = sum(t.bytes for t in terms)
     terms.append(MemoryTerm("headroom", "headroom", int(HEADROOM_FIXED_BYTES + FRAGMENTATION * allocated), "-",
