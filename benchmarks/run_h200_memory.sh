@@ -27,7 +27,7 @@ for part in $PARTS; do
   case $part in
   layers)
     timeout ${LAYERS_TIMEOUT:-330} python3 benchmarks/memory_calibration.py --json $OUT/memory_calibration.json \
-        --rows none:2:8192 none:2:32768 full:2:65536 full:4:65536 full:8:65536 none:2:65536 full:2:131072 \
+        --rows none:2:8192 none:2:32768 full:2:65536 full:4:65536 full:8:65536 none:2:65536 \
         2>&1 | tee $OUT/memory_calibration.txt | grep -v Warning ;;
   tiny)
     TINY="cluster.gpu=H200 cluster.gpus_per_node=1 curriculum.stages.2.cp=1"
