@@ -227,6 +227,9 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
     cp, dp = recipe.stage_cp(st), recipe.stage_dp(st)
     if dp is None or st.seq_len % cp:
         raise PlanUnavailable("the stage's dp or its cp slices are undefined (V4-WORLD-SIZE, V4-CP-DIVISIBLE)")
+    if (dp * cp) % p.ep or recipe.model.moe.n_routed_experts % p.ep:
+        raise PlanUnavailable(f"parallel.ep={p.ep} does not fold over dp·cp = {dp * cp} or split the experts "
+                              "evenly (V4-EP-FOLD, V4-EP-EXPERTS): the experts per GPU are undefined")
     backend = st.kernel_backend or recipe.attention.kernel_backend
     return StageSetting(
         rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
