@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from math import ceil
 
 from . import derived
-from .layout import LayoutSyntaxError, parse_layout, structure_problems
 from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
                                  compressed_bytes, embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
                                  mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
 from .param_count import ParamSpec, model_buffers, model_params
+from .pipeline_schedule import PlanUnavailable, in_flight_ops, stage_layers, virtual_stages
 from .recompute_policy import FULL_LAYER, RecomputeRefused, recompute_regions
 from .schema.cluster import GPU_MEMORY_GIB
 from .schema.recipe import Recipe
@@ -51,10 +51,6 @@ FRAGMENTATION = 0.05
 """Share of the allocated bytes the caching allocator loses to fragmentation (reserved minus allocated)."""
 LOGIT_CHUNK_ELEMENTS = 1 << 28
 """Logits per chunk of the fused head + cross entropy (model/loss.py ``LOGIT_CHUNK_ELEMENTS``)."""
-
-
-class PlanUnavailable(ValueError):
-    """The recipe gives no plan (an unparseable or invalid layout, DP undefined); another rule reports why."""
 
 
 @dataclass(frozen=True)
@@ -126,40 +122,6 @@ def budget_bytes(recipe: Recipe) -> int | None:
     return int(gib * GIB) if gib else None
 
 
-def virtual_stages(recipe: Recipe) -> list[tuple[str, ...]]:
-    """Symbols of each virtual stage (one stage with everything when pp · vpp = 1).
-
-    Raises: PlanUnavailable for a layout that does not parse or does not fit the model (V4-PP-LAYOUT*)."""
-    p, m = recipe.parallel, recipe.model
-    if p.pp * p.vpp == 1 and p.pp_layout is None:
-        return [("E",) + ("t",) * m.n_layers + ("m",) * m.mtp.depth + ("L",)]
-    if p.pp_layout is None:
-        raise PlanUnavailable("parallel.pp_layout is required when pp·vpp > 1 (V4-PP-LAYOUT)")
-    try:
-        layout = parse_layout(p.pp_layout)
-    except LayoutSyntaxError as exc:
-        raise PlanUnavailable(f"parallel.pp_layout does not parse ({exc})") from None
-    if structure_problems(layout, p.pp, p.vpp, m.n_layers, m.mtp.depth):
-        raise PlanUnavailable("parallel.pp_layout does not fit the model (V4-PP-LAYOUT)")
-    return list(layout.stages)
-
-
-def in_flight_ops(pp: int, vpp: int, rank: int, accum: int) -> list[int]:
-    """Local virtual-stage index of every forward this rank holds for backward at its first backward.
-
-    pp = 1: one micro-batch. vpp = 1 (Schedule1F1B): min(pp - rank, accum). vpp > 1
-    (ScheduleInterleaved1F1B, torch.distributed.pipelining.schedules ``_get_warmup_ops``): the warm-up
-    forwards plus one, in rounds of ``accum // max(1, accum // pp)`` micro-batches per local stage.
-    """
-    if pp == 1:
-        return [0] * vpp
-    if vpp == 1:
-        return [0] * max(1, min(pp - rank, accum))
-    per_round = accum // max(1, accum // pp)
-    warmup = min((vpp - 1) * per_round + 2 * (pp - 1 - rank), accum * vpp)
-    return [(j // per_round) % vpp for j in range(min(warmup + 1, accum * vpp))]
-
-
 @dataclass
 class _StageCost:
     """Per-micro-batch bytes of one virtual stage on this rank."""
@@ -173,22 +135,6 @@ class _StageCost:
     recompute_layer: float = 0.0
     attention_workspace: float = 0.0
     loss_transient: float = 0.0
-
-
-def _stage_layers(stages: list[tuple[str, ...]], n_layers: int) -> list[list[int]]:
-    """Decoder and MTP layer ids of each virtual stage (MTP layer k is n_layers + k)."""
-    out, t, k = [], 0, 0
-    for symbols in stages:
-        ids = []
-        for s in symbols:
-            if s == "t":
-                ids.append(t)
-                t += 1
-            elif s == "m":
-                ids.append(n_layers + k)
-                k += 1
-        out.append(ids)
-    return out
 
 
 _SPECS_CACHE: dict[tuple[int, str], tuple] = {}
@@ -309,7 +255,7 @@ def _layer_weight_copies(params: list[ParamSpec], ep: int) -> dict[int, float]:
 def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
     m, p = recipe.model, recipe.parallel
     by_place, buffers = _specs_by_place(m, s.phase)
-    layer_ids = _stage_layers(stages, m.n_layers)
+    layer_ids = stage_layers(stages, m.n_layers)
     e_at = next(i for i, st in enumerate(stages) if "E" in st)
     m_at = next((i for i, ids in enumerate(layer_ids) if any(x >= m.n_layers for x in ids)), e_at)
     local = [i for i in range(len(stages)) if i % p.pp == rank]
