@@ -41,6 +41,25 @@ def test_profiles_exactly_the_steps_asked_for(tmp_path: Path):
     assert calls == 20 + 30
 
 
+def test_a_window_the_run_stops_inside_is_closed_and_written(tmp_path: Path):
+    """A run that stops (max_steps, a signal, the end of the curriculum, an error) inside the window: the
+    profiler is closed (left open, it crashes the process at exit) and the steps it saw are written."""
+    prof = StepProfiler(tmp_path, rank=0, spec="2:9")
+    x = torch.randn(32, 32)
+    for step in (1, 2, 3):
+        prof.begin(step)
+        x = x @ x.T / 32
+        assert prof.end(step) is None
+    note = prof.close(3)
+    assert "steps 2-3 (the run stopped before step 9)" in note and (tmp_path / "rank0_steps2-3.txt").exists()
+    assert prof.close(3) is None  # once
+    late = StepProfiler(tmp_path, rank=0, spec="100:200")
+    assert "stopped at step 3, before step 100: nothing profiled" in late.close(3)
+    done = StepProfiler(tmp_path, rank=0, spec="1:1")
+    done.begin(1)
+    assert done.end(1) is not None and done.close(5) is None
+
+
 def test_off_without_the_variable(tmp_path: Path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     prof = StepProfiler(tmp_path, rank=0)
@@ -59,3 +78,23 @@ def test_a_malformed_value_is_refused_before_a_run_exists(tmp_path: Path, monkey
     assert not (tmp_path / "runs").exists()
     code, out = _cli("submit", str(recipe), "--dry-run")
     assert code == 2 and f"{ENV}='9:1'" in out
+
+
+@pytest.mark.slow
+def test_a_run_stopped_inside_the_window_ends_cleanly(tmp_path: Path, monkeypatch):
+    """`--max-steps 3` with V4LAUNCH_PROFILE_STEPS=2:9 on the tiny recipe's two processes: exit 0 (an open
+    profiler used to kill both ranks with SIGSEGV at exit), both ranks' tables for steps 2-3, and the event."""
+    import json
+
+    from test_train_crash_and_cli import _cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV, "2:9")
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
+    code, out = _cli("run", str(recipe), "--max-steps", "3", "--no-progress")
+    assert code == 0, out
+    (run,) = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in (run / "profile").iterdir()) == ["rank0_steps2-3.txt", "rank1_steps2-3.txt"]
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "profile" and "stopped before step 9" in (run / "logs" / "rank0.log").read_text()
+               for e in events)

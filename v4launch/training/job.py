@@ -101,6 +101,7 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
     try:
         return _loop(runner, stop, stop_after_stage, max_steps)
     finally:
+        runner.close_profiler()  # after an error too: an open torch.profiler crashes the process at exit
         metrics.close()
 
 

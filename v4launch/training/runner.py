@@ -332,7 +332,8 @@ class Runner:
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
         table = self.profiler.end(p.step)
         if table is not None:
-            self.metrics.event(p.step, "profile", f"torch.profiler of steps {self.profiler.steps[0]}-{p.step}: {table}")
+            self.metrics.event(p.step, "profile", f"torch.profiler of steps {self.profiler.steps[0]}-{p.step}: {table}",
+                               path=str(table))
 
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
@@ -382,10 +383,18 @@ class Runner:
         self.metrics.event(self.progress.step, "memory", "peak GPU memory per rank (GiB): " +
                            " ".join(f"{x:.2f}" for x in peaks), peak_gib=peaks)
 
+    def close_profiler(self) -> None:
+        """Close a V4LAUNCH_PROFILE_STEPS window the run stops inside (a profiler left open at exit crashes the
+        process) and say so; also say when the run stopped before the window."""
+        note = self.profiler.close(self.progress.step)
+        if note is not None and self.metrics is not None:
+            self.metrics.event(self.progress.step, "profile", note)
+
     def halt(self, status: str, plan: StagePlan) -> TrainResult:
         """Save (unless this step is already saved) and build the result."""
         path = self.save(plan) if self.progress.step > 0 or self.last_saved else None
         p = self.progress
+        self.close_profiler()
         self._report_peak_memory()
         self.metrics.event(p.step, "end", f"{status} at step {p.step} (stage {plan.name}, phase {self.model.phase})",
                            status=status)

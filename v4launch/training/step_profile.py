@@ -39,6 +39,12 @@ def parse_steps(text: str) -> tuple[int, int]:
     return a, b
 
 
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def host_and_device_ms(events: Any) -> tuple[float, float]:
     """(host, device) milliseconds of a ``key_averages()`` list, each counted once.
 
@@ -71,6 +77,7 @@ class StepProfiler:
         self.out_dir, self.rank = out_dir, rank
         self._prof: Any = None
         self._t0 = 0.0
+        self._closed = False
 
     def begin(self, step: int) -> None:
         """Call before global step ``step`` (1-based) runs."""
@@ -90,6 +97,23 @@ class StepProfiler:
         """Call after global step ``step`` ran; after the last profiled step, returns the table written."""
         if self._prof is None or self.steps is None or step != self.steps[1]:
             return None
+        return self._stop(step)
+
+    def close(self, step: int) -> str | None:
+        """Call when the job stops at global step ``step`` (end of the curriculum, ``--max-steps``, a signal, an
+        error): a window still open is closed and written for the steps it saw; returns what to log, or None
+        when there is nothing to say (profiling off, or the window was written at its last step)."""
+        if self.steps is None or self._closed:
+            return None
+        self._closed = True
+        first, last = self.steps
+        if self._prof is not None:
+            return f"torch.profiler of steps {first}-{step} (the run stopped before step {last}): {self._stop(step)}"
+        if step < first:
+            return f"{ENV}={first}:{last}: the run stopped at step {step}, before step {first}: nothing profiled"
+        return None
+
+    def _stop(self, step: int) -> Path:
         import torch
 
         if torch.cuda.is_available():
@@ -97,10 +121,10 @@ class StepProfiler:
         wall = time.perf_counter() - self._t0
         self._prof.__exit__(None, None, None)
         prof, self._prof = self._prof, None
-        return self._write(prof, wall)
+        return self._write(prof, wall, step)
 
-    def _write(self, prof: Any, wall: float) -> Path:
-        first, last = self.steps
+    def _write(self, prof: Any, wall: float, last: int) -> Path:
+        first = self.steps[0]
         n = last - first + 1
         events = prof.key_averages()
         cpu, cuda = host_and_device_ms(events)
@@ -108,7 +132,8 @@ class StepProfiler:
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"rank{self.rank}_steps{first}-{last}.txt"
+        device = f"{cuda:.1f} ms/step" if torch_cuda_available() else "n/a (no GPU)"
         header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, host (self CPU) "
-                  f"{cpu:.1f} ms/step, device (self CUDA) {cuda:.1f} ms/step\n\n")
+                  f"{cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
         path.write_text(header + events.table(sort_by=sort, row_limit=ROWS) + "\n")
         return path
