@@ -11,6 +11,9 @@ the memory plan of the stage with them. Tried in order, each on its own, the sma
    whole-layer recompute (``parallel.recompute_granularity=full``);
 6. all of the above together (whole-layer recompute included).
 
+A proposal is made only when every stage of the curriculum then fits, so each fix printed is a whole one.
+``parallel.micro_batch_size=1`` is tried first when the recipe packs several sequences per micro-batch.
+
 When nothing on the recipe's nodes fits, :func:`whole_recipe_fit` proposes one set of edits for the whole
 curriculum: the fewest nodes (1, 2, 4, … 64 times the recipe's), a pipeline size, the largest ep, the
 distributed optimizer, whole-layer recompute and each stage's smallest cp that fits.
@@ -22,6 +25,7 @@ never proposed. Sizes are searched over divisors only, so an absurd world size c
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from math import gcd
 from typing import Any
@@ -51,8 +55,13 @@ class Proposal:
         return f"{self.edits_text()} ({self.plan.total_bytes / 2**30:.1f} GiB)"
 
     def edits_text(self) -> str:
-        """``k=v k2=v2``, values as a dotlist override takes them."""
-        return " ".join(f"{k}={_yaml(v)}" for k, v in self.edits.items())
+        """``k=v k2=v2``, values as a dotlist override takes them, each quoted for a shell where it needs it."""
+        return " ".join(shell_word(f"{k}={_yaml(v)}") for k, v in self.edits.items())
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word: unchanged when it is plain, else in single quotes (``'k=Et*3|tmL'``)."""
+    return shlex.quote(text)
 
 
 def _yaml(v: Any) -> str:
@@ -83,7 +92,7 @@ def with_edits(recipe: Recipe, edits: dict[str, Any]) -> Recipe:
 
 
 def _plan(recipe: Recipe, index: int, edits: dict[str, Any]) -> MemoryPlan | None:
-    """The stage's plan with ``edits`` when it fits and the edited recipe breaks no other error rule."""
+    """The stage's plan with ``edits`` when every stage then fits and the edited recipe breaks no other error rule."""
     try:
         edited = with_edits(recipe, edits)
         plan = memory_plan(edited, index)
@@ -91,6 +100,9 @@ def _plan(recipe: Recipe, index: int, edits: dict[str, Any]) -> MemoryPlan | Non
         return None
     if not plan.fits or contract_failures(edited):
         return None
+    for other in range(len(recipe.curriculum.stages)):  # a fix that leaves another stage over budget is no fix
+        if other != index and not _fits(recipe, other, edits):
+            return None
     return plan
 
 
@@ -167,6 +179,8 @@ def _single_changes(recipe: Recipe, index: int, nodes: int) -> list[dict[str, An
     for ep in divisors(gcd(m.moe.n_routed_experts, shard)):
         if ep > p.ep:
             out.append({**base, "parallel.ep": ep})
+    if p.micro_batch_size > 1:  # fewer rows per micro-batch, more micro-batches per step
+        out.append({**base, "parallel.micro_batch_size": 1})
     if not p.distributed_optimizer:
         extra = {"precision.keep_fp32_params": False} if p.pp > 1 and recipe.precision.keep_fp32_params else {}
         out.append({**base, "parallel.distributed_optimizer": True, **extra})

@@ -21,14 +21,15 @@ from v4launch.training.plan import plan_curriculum
 from v4launch.validators import RULES
 from validator_fixtures import CASES
 
-SETTING = re.compile(r"\b([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)=([^\s,;()]+)")
+SETTING = re.compile(r"'([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)=([^']*)'|\b([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)=([^\s,;()']+)")
 REMOVAL = re.compile(r"\bremove ([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)")
 
 
 def proposed_edits(fix: str) -> list[str]:
     """The ``key=value`` overrides of the first alternative of ``fix`` ("remove k" means k=null)."""
     first = re.split(r",? or |; ", fix)[0]
-    return [f"{k}={v}" for k, v in SETTING.findall(first)] + [f"{k}=null" for k in REMOVAL.findall(first)]
+    pairs = [(qk or k, qv if qk else v) for qk, qv, k, v in SETTING.findall(first)]  # 'k=v' as a shell quotes it
+    return [f"{k}={v}" for k, v in pairs] + [f"{k}=null" for k in REMOVAL.findall(first)]
 
 
 def _job_accepts(path: Path, overrides: list[str]) -> None:
@@ -73,6 +74,8 @@ def test_warmup_sparse_target_is_what_the_job_refuses(base_file: Path):
     ("set parallel.vpp=1 and parallel.pp_layout=null (one stage), or raise parallel.pp above 1",
      ["parallel.vpp=1", "parallel.pp_layout=null"]),
     ("set parallel.pp_layout=Et*3|t*2|t*2|tmL (max/mean 1.175)", ["parallel.pp_layout=Et*3|t*2|t*2|tmL"]),
+    ("set 'parallel.pp_layout=Et*4|(tttt|)*14tmL' parallel.pp=4 (max/mean 1.1)",
+     ["parallel.pp_layout=Et*4|(tttt|)*14tmL", "parallel.pp=4"]),
     ("make the global batch a multiple of micro_batch·dp", []),
 ])
 def test_proposed_edits_parser(fix: str, edits: list[str]):

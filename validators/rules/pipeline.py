@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
 from ..layout import LayoutSyntaxError, parse_layout
+from ..memory_fixes import shell_word
 from .base import Context, rule
 
 
@@ -98,7 +99,7 @@ def check_balance(ctx: Context):
         best = propose_layout(units, len(lay.stages), ctx.model.moe.n_hash_layers)
         fix = None
         if best is not None:
-            fix = f"set parallel.pp_layout={best} (max/mean {balance_ratio(stage_costs(parse_layout(best), units)):.3f} by the cost model)"
+            fix = f"set {shell_word(f'parallel.pp_layout={best}')} (max/mean {balance_ratio(stage_costs(parse_layout(best), units)):.3f} by the cost model)"
         return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
                            f"max/mean stage cost {ratio:.3f} > {PP_BALANCE_THRESHOLD} at seq_len {ctx.seq_len} ({ctx.stage.phase})", fix)
     return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout, f"max/mean {ratio:.3f}")
