@@ -4,8 +4,8 @@
     python benchmarks/recompute_memory.py --shape bench --device cuda --kernels triton --fp8 none,blockwise \
         --json $OUT/recompute_h200.json
 
-Configurations: every ``--configs`` entry (``none`` or names joined by ``+``, e.g.
-``mla_up_proj+layernorm``) under every ``--fp8`` recipe, each on a fresh copy of one seeded model
+Configurations: every ``--configs`` entry (``none``, ``full`` for whole-layer recompute, or names joined by
+``+``, e.g. ``mla_up_proj+layernorm``) under every ``--fp8`` recipe, each on a fresh copy of one seeded model
 (``parallel/precision.py``'s ``apply_fp8``, then ``parallel/recompute.py``'s ``apply_recompute``, as the
 job applies them). One step = forward + backward of the packed batch + AdamW step + router-bias
 update, as the job's step; parameters float32, bf16 autocast on CUDA (as the job's ``precision.dtype:

@@ -34,6 +34,6 @@ class ParallelConfig(Section):
     micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH, description="Packed sequences per micro-batch per rank (THD uses 1); at most 64 (64 x 2^24 tokens stays below int32's 2^31).")
     global_batch_size: int = Field(1, ge=1, le=MAX_GLOBAL_BATCH, description="Packed sequences per optimizer step, all ranks together; at most 2^24 (~1000x the largest published batches).")
     distributed_optimizer: bool = Field(False, description="Shard optimizer state over DP (Megatron distributed optimizer).")
-    recompute_granularity: Literal["none", "selective", "full"] = Field("none", description="Activation recompute granularity.")
+    recompute_granularity: Literal["none", "selective", "full"] = Field("none", description="Activation recompute: none; selective (the recompute_modules); full (every decoder and MTP layer whole: it keeps its input streams only, and backward re-runs one layer at a time; at cp > 1 or ep > 1 it replays their collectives, V4-RECOMPUTE-REPLAY).")
     recompute_modules: tuple[RecomputeModule, ...] = Field((), description="Modules recomputed under selective recompute (Megatron's names: core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts), e.g. ['mla_up_proj']; 'core_attn' is not supported by V4.")
     offload_modules: tuple[OffloadModule, ...] = Field((), description="Activation offload modules (Megatron's names: attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act); 'qkv_linear' is not supported by V4.")
