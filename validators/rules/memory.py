@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..memory_fixes import fit_proposals, whole_recipe_fit
-from ..memory_plan import GIB, PlanUnavailable, memory_plan
+from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, memory_plan
 from .base import Context, rule
 
 
@@ -47,6 +47,10 @@ def _fix_text(ctx: Context, budget: int) -> str:
     if found:
         return "set " + ", or ".join(p.text() for p in found)
     whole = whole_recipe_fit(ctx.recipe)
+    if whole is None and budget <= HEADROOM_FIXED_BYTES:
+        return (f"the budget {_gib(budget)} is below the plan's fixed headroom ({_gib(HEADROOM_FIXED_BYTES)}: CUDA "
+                "context, Triton, NCCL), which no layout changes: raise cluster.gpu_memory_gib or unset it (the GPU "
+                "model's memory)")
     if whole is None:
         return (f"no pp, cp, ep, distributed_optimizer, recompute or node count up to 64x fits {_gib(budget)}: "
                 f"shorten curriculum.stages.{ctx.index}.seq_len or use GPUs with more memory (cluster.gpu)")
