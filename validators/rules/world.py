@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from math import gcd
+
+from ..memory_fixes import divisors
 from .base import Context, rule
 
 
@@ -46,7 +49,12 @@ def check_ep_fold(ctx: Context):
         return ctx.na("DP undefined (V4-WORLD-SIZE)")
     ep, fold = ctx.parallel.ep, ctx.dp * ctx.cp
     if fold % ep:
-        return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}")
+        experts = ctx.model.moe.n_routed_experts
+        common = divisors(gcd(fold, experts))  # fold = world / (tp·pp), the same in every stage
+        best = max((d for d in common if d <= ep), default=max(common))
+        return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}",
+                           f"set parallel.ep={best} (the largest ep up to {ep} that divides dp·cp = {fold}, the same "
+                           f"in every stage, and the {experts} routed experts)")
     return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
 
 
