@@ -140,16 +140,18 @@ def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> Non
     train = [r for r in recs if r.get("kind") == "train"]
     evals = [r for r in recs if r.get("kind") == "eval"]
     phases = [r for r in recs if r.get("kind") == "event" and r.get("event") == "phase"]
-    OUT.console.print(f"[bold]{result.status}[/bold] at step {result.step} (stage #{result.stage_index})")
+    stage = next((r.get("stage") for r in reversed(recs) if r.get("stage_index") == result.stage_index), None)
+    OUT.console.print(f"summary of {run_dir.name}: [bold]{result.status}[/bold], {result.step} steps, last stage "
+                      f"#{result.stage_index}{f' {stage}' if stage else ''}")
     if train:
         last = train[-1]
         same_stage = [r for r in train if r.get("stage") == last.get("stage")]
         tail = same_stage[-min(10, len(same_stage)):]  # never mixes an earlier stage's (higher) losses in
         avg = sum(r["lm_loss"] for r in tail) / len(tail)
-        line = (f"final lm loss {last['lm_loss']:.4f} nats/token (mean of the last {len(tail)} logged steps of stage "
-                f"{last.get('stage')} {avg:.4f})")
+        line = (f"training lm loss: {last['lm_loss']:.4f} nats/token at step {last.get('step')} (the last logged), "
+                f"{avg:.4f} averaged over the last {len(tail)} logged steps of stage {last.get('stage')}")
         if entropy_nats:
-            line += f" vs unigram entropy {entropy_nats:.4f} nats/token"
+            line += f"; unigram entropy of the text {entropy_nats:.4f} nats/token"
         OUT.console.print(line)
         sums = ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.get("aux_sum", {}).items()))
         OUT.console.print(f"aux losses (raw, summed per kind): {sums or 'none'}")
