@@ -49,7 +49,7 @@ def test_submit_refuses_a_layout_the_job_cannot_run_before_anything_is_queued(ws
     """ep 4 over the 2 ranks of a pipeline rank: refused at submit with the rule and the fix, nothing queued."""
     out = cli("submit", str(REPO / "recipes" / "flash_debug.yaml"), "--nodes", "1", "parallel.ep=4", "--dry-run", cwd=ws)
     assert out.returncode == 1, out.stdout
-    assert "V4-EP-FOLD" in out.stderr and "choose parallel.ep dividing dp·cp" in out.stderr
+    assert "V4-EP-FOLD" in out.stderr and "set parallel.ep=2 (the largest ep up to 4" in " ".join(out.stderr.split())
     assert "Traceback" not in out.stderr and not out.stdout and not (ws / "runs").exists()
 
 
