@@ -92,11 +92,14 @@ def check_recipe(loaded: Any) -> list[str]:
         return []
     report = validate_recipe(loaded)
     if not report.ok:
-        stages: dict[str, list[str]] = {}  # the same violation in several stages: one line naming them all
+        stages: dict[tuple, list[str]] = {}  # the same violation in several stages: one line naming them all
         for v in report.violations:
-            text = f" {v.field}={v.value!r}: {v.message} (set at {v.source}; fix: {v.fix})"
-            stages.setdefault(f"{v.rule_id}\0{text}", []).append(str(v.stage) if v.stage else "")
-        lines = [key.split("\0")[0] + _stage_label(names) + key.split("\0")[1] for key, names in stages.items()]
+            key = (v.rule_id, f" {v.field}={v.value!r}: {v.message} (set at {v.source}; fix: ", v.fix)
+            stages.setdefault(key, []).append(str(v.stage) if v.stage else "")
+        lines, fixes = [], set()  # a fix several lines share (V4-MEMORY's whole-recipe one) is written once
+        for (rule_id, text, fix), names in stages.items():
+            lines.append(f"{rule_id}{_stage_label(names)}{text}{'as above' if fix in fixes else fix})")
+            fixes.add(fix)
         ids = ", ".join(sorted(report.failed_rule_ids()))
         from ..recipe_loading import display_path
 
