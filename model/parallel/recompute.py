@@ -172,9 +172,10 @@ def apply_recompute(part: nn.Module, modules: list[str]) -> list[str]:
     Effects: parameters, buffers, FQNs and state-dict keys are unchanged; the forward values are
         unchanged; the regions' activations are freed after the forward and recomputed in backward.
     """
-    args = getattr(part, "args", None)
-    names = [FULL_LAYER] if list(modules) == [FULL_LAYER] else recompute_regions(
-        "selective", modules, n_shared_experts=getattr(args, "n_shared_experts", None)) if modules else []
+    names = list(modules)
+    if names and names != [FULL_LAYER]:  # selective names: the policy's refusals, with this model's shared experts
+        names = recompute_regions("selective", names, n_shared_experts=getattr(getattr(part, "args", None),
+                                                                                "n_shared_experts", None))
     for block in decoder_blocks(part):
         for name in names:
             for owner, attr in _targets(block, name):

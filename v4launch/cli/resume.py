@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from .common import OUT, JsonOpt, OverridesArg
-from .run import MaxStepsOpt, NoProgressOpt
+from .run import MaxStepsOpt, NoProgressOpt, check_profile_env
 from .status import resolve_run
 
 HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint (or --checkpoint). The checkpoint's "
@@ -72,6 +72,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     from ..training.recipe_io import check_recipe, load_recipe
     from ..training.resume import plan_resume, refusal
 
+    check_profile_env()  # the relaunched job inherits the environment: refuse a malformed one first
     extra = list(overrides or [])
     if run is not None and "=" in run and not Path(run).exists():
         run, extra = None, [run, *extra]

@@ -39,12 +39,6 @@ def parse_steps(text: str) -> tuple[int, int]:
     return a, b
 
 
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def host_and_device_ms(events: Any) -> tuple[float, float]:
     """(host, device) milliseconds of a ``key_averages()`` list, each counted once.
 
@@ -132,7 +126,9 @@ class StepProfiler:
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"rank{self.rank}_steps{first}-{last}.txt"
-        device = f"{cuda:.1f} ms/step" if torch_cuda_available() else "n/a (no GPU)"
+        import torch
+
+        device = f"{cuda:.1f} ms/step" if torch.cuda.is_available() else "n/a (no GPU)"
         header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, host (self CPU) "
                   f"{cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
         path.write_text(header + events.table(sort_by=sort, row_limit=ROWS) + "\n")

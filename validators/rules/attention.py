@@ -98,9 +98,11 @@ def check_recompute_replay(ctx: Context):
     validators/recompute_policy.py ``replayed_collectives``.
     """
     p = ctx.parallel
-    if recompute_problem(ctx.recipe):
+    try:
+        regions = recompute_regions(p.recompute_granularity, p.recompute_modules,
+                                    n_shared_experts=ctx.model.moe.n_shared_experts)
+    except RecomputeRefused:
         return ctx.na("V4-RECOMPUTE refuses the setting")
-    regions = recompute_regions(p.recompute_granularity, p.recompute_modules)
     max_cp = max(ctx.recipe.stage_cp(st) for st in ctx.recipe.curriculum.stages)
     replays = replayed_collectives(regions, max_cp=max_cp, ep=p.ep)
     value = p.recompute_granularity if p.recompute_granularity == "full" else list(p.recompute_modules)
