@@ -28,6 +28,7 @@ from .common import FP32Pinned, acc_dtype, linear
 from .parallel.base import SINGLE_DEVICE_EXPERTS, ExpertDispatch
 
 
+@torch.compiler.disable
 def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torch.Tensor, n_segments: int,
                           n_experts: int, cp=None) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss WITHOUT alpha, averaged over packed segments.
@@ -44,6 +45,10 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
             are one rank's slice, ``seg`` holds global segment ids; f and T_b are summed over
             ranks and ``L`` (linear in P) is the replicated sum of the ranks' partial sums.
     Returns: 0-d tensor (accumulation dtype of ``scores``).
+
+    Never compiled (``torch.compiler.disable``: a compiled block splits around it). Inside compiled blocks on
+    an H200 (torch 2.11, inductor) it returned ~150,000 instead of ~1 per layer at some steps (a per-segment
+    token count computed by a scatter of ones came out too small); the eager code is the tested one.
     """
     T, K = indices.shape
     chosen = torch.zeros(T, n_experts, dtype=scores.dtype, device=scores.device)
@@ -51,13 +56,12 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     counts = torch.zeros(n_segments, n_experts, dtype=scores.dtype, device=scores.device).index_add_(0, seg, chosen)
     p_norm = scores / scores.sum(dim=-1, keepdim=True)
     p_sum = torch.zeros_like(counts).index_add_(0, seg, p_norm)  # [N, E]
-    t_b = torch.zeros(n_segments, dtype=scores.dtype, device=scores.device).index_add_(
-        0, seg, torch.ones_like(seg, dtype=scores.dtype))  # [N] tokens per segment (bincount would host-sync on CUDA)
     if cp is not None and cp.size > 1:
-        counts, t_b = cp.sum_counts(counts), cp.sum_counts(t_b)  # global f and T_b (no gradient)
-        per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # this rank's share of P
+        counts = cp.sum_counts(counts)  # global f (no gradient)
+    t_b = counts.sum(dim=1) / K  # [N] tokens per segment: each token picks exactly K experts (exact below 2^24 / K)
+    per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # under CP: this rank's share of P
+    if cp is not None and cp.size > 1:
         return cp.sum_partial(per_seg.sum()) / n_segments
-    per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)
     return per_seg.mean()
 
 
