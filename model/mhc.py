@@ -85,6 +85,11 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     """
     if _fused_here(f):
         return _compiled("post")(f, residual, post, comb)
+    return _hc_post_eager(f, residual, post, comb)
+
+
+def _hc_post_eager(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """:func:`hc_post` eagerly: the stream mixing as a batched product (no [T, hc, hc, dim] intermediate)."""
     acc = post.dtype
     mixed = torch.einsum("tjk,tjd->tkd", comb, residual.to(acc))  # [T, hc, dim]
     return (post.unsqueeze(-1) * f.to(acc).unsqueeze(1) + mixed).to(f.dtype)
@@ -115,6 +120,12 @@ def _fused_here(t: torch.Tensor) -> bool:
     return _FUSED["on"] and t.is_cuda and t.dtype != torch.float64
 
 
+COMPILE_OPTIONS = {"fullgraph": True, "dynamic": True}
+"""How the mHC regions are compiled: whole, and with dynamic shapes from the first call. A run's batches
+(THD rows, micro-batches, evaluation) have many row counts; each static recompile would count against
+dynamo's limit (8), past which dynamo runs the function eagerly."""
+
+
 def _compiled(which: str):
     """The ``torch.compile``d :func:`hc_pre_tail` / :func:`hc_post_fused` (built on first use); inside
     a region already being compiled (a compiled Block) the plain functions, which that region fuses."""
@@ -122,7 +133,7 @@ def _compiled(which: str):
         return hc_pre_tail if which == "pre" else hc_post_fused
     fns = _FUSED["compiled"]
     if which not in fns:
-        fns[which] = torch.compile(hc_pre_tail if which == "pre" else hc_post_fused, fullgraph=True)
+        fns[which] = torch.compile(hc_pre_tail if which == "pre" else hc_post_fused, **COMPILE_OPTIONS)
     return fns[which]
 
 
@@ -144,7 +155,13 @@ def hc_pre_tail(x: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: t
 
 
 def hc_post_fused(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """:func:`hc_post` written for fusion: ``sum_j comb[:, j, k] X_j`` as a broadcast reduction."""
+    """:func:`hc_post` written for fusion: ``sum_j comb[:, j, k] X_j`` as a broadcast reduction.
+
+    Run eagerly (dynamo gave up on a call, e.g. past its recompile limit) the broadcast would materialise
+    [T, hc, hc, dim] in the accumulation dtype, 4 x the streams: the eager form runs instead.
+    """
+    if not torch.compiler.is_compiling():
+        return _hc_post_eager(f, residual, post, comb)
     acc = post.dtype
     mixed = (comb.unsqueeze(-1) * residual.to(acc).unsqueeze(2)).sum(dim=1)  # [T, j, k, 1]*[T, j, 1, d] -> [T, k, d]
     return (post.unsqueeze(-1) * f.to(acc).unsqueeze(1) + mixed).to(f.dtype)

@@ -58,3 +58,43 @@ def test_the_switch_and_device_gate():
     finally:
         mhc.set_fused_mixing(True)
     assert mhc._FUSED["on"]
+
+
+def test_compiled_mixing_compiles_once_for_every_row_count(gen):
+    """With the options the job compiles mHC with, rows 5..40 share one graph (no recompile per batch shape)."""
+    torch._dynamo.reset()
+    post_fused = torch.compile(mhc.hc_post_fused, backend="aot_eager", **mhc.COMPILE_OPTIONS)
+    for T in (5, 9, 17, 40, 23):
+        x, fn, scale, base = _inputs(gen, T=T)
+        f = torch.randn(T, x.shape[2], generator=gen, dtype=x.dtype)
+        _, post, comb = mhc.hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
+        torch.testing.assert_close(post_fused(f, x, post, comb), mhc.hc_post(f, x, post, comb), rtol=1e-12, atol=1e-12)
+    entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(mhc.hc_post_fused.__code__)
+    assert len(entries) == 1
+
+
+def test_post_mixing_run_eagerly_keeps_no_four_dimensional_product(gen):
+    """hc_post_fused outside a compiled region (dynamo gave up on a call) takes the batched product: no op
+    makes a [T, hc, hc, dim] tensor (4 x the streams: 32 MiB per call at 8K rows of a 64-wide tiny model)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    T, hc, dim = 33, 4, 16
+    x, fn, scale, base = _inputs(gen, T=T, hc=hc, dim=dim)
+    f = torch.randn(T, dim, generator=gen, dtype=x.dtype)
+    _, post, comb = mhc.hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
+    with Sizes() as sizes:
+        out = mhc.hc_post_fused(f, x, post, comb)
+    assert sizes.largest == T * hc * dim  # the result's size; the broadcast would make T * hc * hc * dim
+    torch.testing.assert_close(out, mhc.hc_post(f, x, post, comb), rtol=1e-12, atol=1e-12)
