@@ -18,9 +18,10 @@ in chunks of ``chunk_size`` rows, so no [T, T] or [T, H, all entries] tensor exi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
 import torch
 from torch import nn
@@ -82,6 +83,28 @@ class BatchContext:
         if ratio not in self._plans:
             self._plans[ratio] = self.cp.plan(self.shard, ratio)
         return self._plans[ratio]
+
+    def cached_keys(self) -> tuple[frozenset, frozenset]:
+        """The keys of the compress plans and RoPE tables built so far (see :meth:`as_of`)."""
+        return frozenset(self._plans), frozenset(self._rope)
+
+    @contextlib.contextmanager
+    def as_of(self, keys: tuple[frozenset, frozenset]) -> Iterator[None]:
+        """The tables as they were when :meth:`cached_keys` gave ``keys``: those built since are hidden for the
+        duration (and built again if needed) and put back after.
+
+        A recompute replay of a layer (``parallel/recompute.py``) runs inside this, so it computes what the
+        layer's forward computed: the first layer of each kind builds the tables in the forward and again in
+        the replay. Under ``torch.compile`` the replay then takes the forward's graph, whose saved tensors
+        the checkpoint matches one by one.
+        """
+        plans, ropes = self._plans, self._rope
+        self._plans = {k: v for k, v in plans.items() if k in keys[0]}
+        self._rope = {k: v for k, v in ropes.items() if k in keys[1]}
+        try:
+            yield
+        finally:
+            self._plans, self._rope = plans, ropes
 
     def cos_sin(self, rope: RotaryEmbedding, dtype: torch.dtype,
                 extended: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,6 +107,8 @@ COVERAGE: dict[str, Coverage] = {
     "precision.policy.indexer_qk": Refused("V4-PREC-INDEXER-QK", "precision.policy.indexer_qk=fp8"),
     "precision.policy.ape": Refused("V4-PREC-FP32-PINS", "precision.policy.ape=bf16"),
     "precision.policy.attn_sink": Refused("V4-PREC-FP32-PINS", "precision.policy.attn_sink=bf16"),
+    "compile.enable": Honoured(RUNNER_INIT),
+    "compile.backend": Honoured(RUNNER_INIT),
     "cluster.gpu": Honoured(SBATCH),
     "cluster.nodes": Honoured(SBATCH),
     "cluster.gpus_per_node": Honoured(SBATCH),

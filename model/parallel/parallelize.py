@@ -2,8 +2,8 @@
 
 ``parallelize(model, dims, groups, device) -> ParallelModel`` takes the ``V4Model`` every rank
 built identically (same seed) and returns what this rank runs. Order, fixed (torchtitan's
-``parallelize_deepseekv3``): expert parallel → pipeline split → FP8 GEMMs and selective recompute
-per part → FSDP → CP hooks. The model
+``parallelize_deepseekv3``): expert parallel → pipeline split → FP8 GEMMs, recompute and
+``torch.compile`` per part → FSDP → CP hooks. The model
 files stay single-device; every step here changes module structure or installs hooks from
 outside.
 """
@@ -18,7 +18,8 @@ import torch
 from ..model import V4Model
 from .base import SINGLE_DEVICE, ContextParallel
 from .expert import apply_expert_parallel
-from .fsdp import apply_fsdp, routed_expert_params, set_divide_factor, shard_mesh
+from ..compile import compile_blocks
+from .fsdp import apply_fsdp, decoder_blocks, routed_expert_params, set_divide_factor, shard_mesh
 from .precision import apply_fp8
 from .recompute import apply_recompute
 from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
@@ -35,6 +36,8 @@ class ParallelDims:
         distributed_optimizer: shard parameters, gradients and optimizer state with FSDP2.
         recompute: the region names to recompute (``recompute.modules_from_recipe``: selective names, or
             ``["full"]`` for whole layers).
+        compile_backend: ``torch.compile`` each block with this backend (``compile.backend`` of the recipe
+            when ``compile.enable``); None: run eagerly.
     """
 
     pp: int = 1
@@ -43,6 +46,7 @@ class ParallelDims:
     ep: int = 1
     distributed_optimizer: bool = False
     recompute: tuple[str, ...] = ()
+    compile_backend: Optional[str] = None
 
     @property
     def pipelined(self) -> bool:
@@ -83,6 +87,7 @@ class ParallelModel:
             their gradients are reduced over the edp group); empty when ep = 1.
         sharded: FSDP2 shards the other parameters over the S group (``distributed_optimizer``).
         fp8_modules, recomputed: FQNs of the modules converted to FP8 / the recomputed regions.
+        compiled: the number of blocks compiled (``model/compile.py``).
     """
 
     model: V4Model
@@ -93,6 +98,7 @@ class ParallelModel:
     sharded: bool = False
     fp8_modules: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
+    compiled: int = 0
 
     def _all(self) -> list[V4Model]:
         return [self.model] + [p for p in self.parts if p is not self.model]
@@ -172,11 +178,13 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
         pm.experts = frozenset(routed_expert_params(pm.parts))
     if phase is not None and phase != pm.model.phase:
         pm.set_phase(phase)
-    # 2b. Per-module transforms of each part (they share blocks with pm.model): FP8 GEMMs, then recompute.
+    # 2b. Per-module transforms of each part (they share blocks with pm.model): FP8 GEMMs, recompute, compile.
     for part in pm.parts:
         if precision is not None:
             pm.fp8_modules += apply_fp8(part, precision)
         pm.recomputed += apply_recompute(part, list(dims.recompute))
+        if dims.compile_backend is not None and decoder_blocks(part):
+            pm.compiled += compile_blocks(part, backend=dims.compile_backend)
     # 3. FSDP: fully_shard per block, per MTP layer, then per part, over the S group (experts left to EP).
     if dims.distributed_optimizer:
         apply_fsdp(pm.parts, shard_mesh(groups.shard, device.type), dp=groups.dp, ignored_params=pm.experts)

@@ -39,12 +39,15 @@ parameters. Pipeline stages share their blocks with the model they were cut from
 (``pipeline.cut_stage``), so apply this after the split to each part; a region already under recompute
 is left as it is (applying twice is harmless).
 
-A replay of the MoE (``moe``, or ``full`` which encloses it) runs the MoE with ``training`` off, so the
-expert token counts of the aux-loss-free balancing (``MoE.expert_counts``) are counted once per forward.
+A replay of the MoE (``moe``, or ``full`` which encloses it) puts back the expert token counts of the
+aux-loss-free balancing (``MoE.expert_counts``) it added, so they are counted once per forward. The replay
+runs exactly the forward's code (a compiled region replays the same compiled graph, which the checkpoint
+needs: it matches the tensors saved by the forward and by the replay one by one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable, Iterable, Iterator
 
@@ -52,10 +55,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ...validators.recompute_policy import FULL_LAYER, REGIONS, recompute_regions
+from ..attention import BatchContext
 from ..moe import MoE
 from .fsdp import decoder_blocks
 
-__all__ = ["FULL_LAYER", "REGIONS", "apply_recompute", "modules_from_recipe", "recomputed_regions"]
+__all__ = ["COMPILED_REGIONS", "FULL_LAYER", "REGIONS", "apply_recompute", "modules_from_recipe", "recomputed_regions"]
 
 
 def modules_from_recipe(granularity: str, modules: Iterable[str]) -> list[str]:
@@ -69,6 +73,11 @@ def modules_from_recipe(granularity: str, modules: Iterable[str]) -> list[str]:
 
 
 _RECOMPUTE_CLASSES: dict[tuple[type, frozenset[str]], type] = {}
+
+COMPILED_REGIONS = "_v4_compiled_regions"
+"""Instance attribute: {method name: compiled function} that a recomputed region runs instead of the class's
+own method (``model/compile.py`` sets it: dynamo does not trace into ``torch.utils.checkpoint``'s replay, so
+the region's body is compiled on its own, and both the forward and the replay run the compiled code)."""
 
 
 def _replayed_moe(module: nn.Module, name: str) -> Callable[[nn.Module], MoE] | None:
@@ -86,26 +95,32 @@ def _replayed_moe(module: nn.Module, name: str) -> Callable[[nn.Module], MoE] | 
 def _checkpointing(base: type, name: str, moe_of: Callable[[nn.Module], MoE] | None) -> Callable:
     """A method that runs ``base.<name>`` (looked up at each call) under a non-reentrant checkpoint.
 
-    ``moe_of``: the MoE inside the region (None: none); its replay runs with ``training`` off, so the
-    expert counts are counted once. Regions holding a MoE may hold collectives (the balance loss's CP sums,
+    ``moe_of``: the MoE inside the region (None: none); its replay puts the expert counts back as they were,
+    so they are counted once. Regions holding a MoE may hold collectives (the balance loss's CP sums,
     the expert all-to-all, and for a whole block the CP exchange): their recompute is not stopped early.
     """
 
     @functools.wraps(getattr(base, name))
     def run(self, *args, **kwargs):
-        method = getattr(base, name)
+        method = self.__dict__.get(COMPILED_REGIONS, {}).get(name) or getattr(base, name)
+        batch = next((a for a in (*args, *kwargs.values()) if isinstance(a, BatchContext)), None)
+        tables = batch.cached_keys() if batch is not None else None
         calls = [0]
 
         def body(*a, **k):
             calls[0] += 1
-            if calls[0] == 1 or moe_of is None:
+            if calls[0] == 1:
                 return method(self, *a, **k)
-            moe = moe_of(self)
-            was, moe.training = moe.training, False  # a replay: count the experts' tokens once
-            try:
-                return method(self, *a, **k)
-            finally:
-                moe.training = was
+            # a replay: the batch's tables as the forward saw them, the experts' tokens counted once
+            with batch.as_of(tables) if batch is not None else contextlib.nullcontext():
+                if moe_of is None:
+                    return method(self, *a, **k)
+                counts = moe_of(self).expert_counts
+                before = counts.clone()
+                try:
+                    return method(self, *a, **k)
+                finally:
+                    counts.copy_(before)
 
         if moe_of is None:
             return checkpoint(body, *args, use_reentrant=False, **kwargs)

@@ -285,6 +285,9 @@ def _meaning(path: str, new: Any, ctx: dict[str, Any]) -> tuple[str, str, str | 
                            "trained values (their initialisation is not redone)"), None
     if path.startswith(("logging.", "checkpointing.")) or path in ("name", "description", "run.threads"):
         return "safe", f"bookkeeping only: used from step {step} (the training math is unchanged)", None
+    if path.startswith("compile."):
+        return "applied", (f"the blocks are compiled as it says from step {step}: the same math, fused by the "
+                           "compiler (the last bits of rounding may differ)"), None
     if path.startswith("optimizer."):
         return "applied", f"the optimizer and LR schedule use it from step {step}; saved optimizer state is kept", None
     return "applied", f"the job trains with it from step {step}", None

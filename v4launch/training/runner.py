@@ -43,7 +43,8 @@ class Runner:
         par = self.recipe.parallel
         self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
                                  distributed_optimizer=par.distributed_optimizer,
-                                 recompute=tuple(recompute_names(self.recipe)))
+                                 recompute=tuple(recompute_names(self.recipe)),
+                                 compile_backend=self.recipe.compile.backend if self.recipe.compile.enable else None)
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
@@ -187,6 +188,10 @@ class Runner:
             self.metrics.event(p.step, "recompute", f"recompute {', '.join(self.dims.recompute)}: "
                                f"{len(self.pm.recomputed)} regions re-run in backward"
                                + (f", replaying {'; '.join(replays)}" if replays else ""), regions=len(self.pm.recomputed))
+        if self.pm.compiled:
+            self.metrics.event(p.step, "compile", f"torch.compile ({self.dims.compile_backend}): {self.pm.compiled} "
+                               "blocks, compiled at their first forward (again after a phase or kernel change)",
+                               blocks=self.pm.compiled, backend=self.dims.compile_backend)
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""

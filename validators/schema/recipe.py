@@ -13,7 +13,7 @@ from .model import ModelConfig
 from .parallel import ParallelConfig
 from .precision import PrecisionConfig
 from .slurm import SlurmConfig
-from .training import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig
+from .training import CheckpointConfig, CompileConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig
 
 
 class Recipe(Section):
@@ -25,6 +25,7 @@ class Recipe(Section):
     attention: AttentionConfig = Field(default_factory=AttentionConfig, description="Indexer loss and kernels.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel sizes and batch.")
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Precision policy.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="Regional torch.compile.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Target hardware.")
     curriculum: CurriculumConfig = Field(..., description="Ordered stages.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and LR schedule.")

@@ -89,6 +89,13 @@ class LoggingConfig(Section):
     eval_interval_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate held-out loss every N steps; 0 = only at stage end.")
 
 
+class CompileConfig(Section):
+    """Regional ``torch.compile`` of the decoder blocks and MTP layers (torchtitan's ``compile`` section)."""
+
+    enable: bool = Field(False, description="torch.compile each decoder block and MTP layer (model/compile.py); a region under recompute is compiled inside its checkpoint. Costs compile time at the start and at each phase or kernel change.")
+    backend: Literal["inductor", "aot_eager"] = Field("inductor", description="inductor: generated kernels (Triton on GPUs, C++ on CPUs: needs a C++ compiler); aot_eager: traces forward and backward, runs them eagerly (checks the tracing, no speed-up).")
+
+
 class RunConfig(Section):
     """Run identity and reproducibility."""
 
