@@ -24,7 +24,7 @@ goes through several phases and kernel backends (each a new entry), so the job r
 (:data:`RECOMPILE_LIMIT`) when the recipe compiles (``compile.enable``).
 
 Recompute (``model/parallel/recompute.py``): dynamo does not trace into ``torch.utils.checkpoint``'s
-replay (the region's body holds Python state: the replay counter, the MoE's ``training`` switch), so a
+replay (the region's body holds Python state: the replay counter, the expert counts put back), so a
 compiled block would run its recomputed regions eagerly, and a block under whole-layer recompute
 (``full``) would run eagerly throughout. Each recomputed region's own method is compiled instead and
 registered on its module (``recompute.COMPILED_REGIONS``): the checkpoint calls the compiled code in
@@ -57,9 +57,9 @@ def keep_graph_order() -> None:
     """
     switch = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
     if switch is None:
-        raise NotImplementedError(f"torch {torch.__version__} cannot fix dynamo's graph order, which compiled regions "
-                           "under recompute need. Fix: set compile.enable=false, or parallel.recompute_granularity="
-                           "null, or use torch >= 2.11.")
+        raise NotImplementedError(f"torch {torch.__version__} cannot fix dynamo's graph order, which compiled "
+                                  "regions under recompute need. Fix: set compile.enable=false, or "
+                                  "parallel.recompute_granularity=null, or use torch >= 2.11.")
     switch(False)
 
 
