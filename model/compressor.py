@@ -24,13 +24,16 @@ from .rope import RotaryEmbedding, apply_rope
 _HADAMARD: dict[tuple, torch.Tensor] = {}
 
 
+@torch.compiler.disable
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device, normalised: bool = True) -> torch.Tensor:
     """Sylvester-Hadamard matrix [n, n] (symmetric; n a power of 2), built once per (n, dtype, device).
 
     ``normalised``: entries ``+-n**-0.5`` (orthogonal), so ``x @ H`` equals
     ``fast_hadamard_transform(x, scale=n**-0.5)`` used upstream (``rotate_activation``);
     else the +-1 signs (exact in bf16). Deterministic, not randomised (spec §2 "Indexer").
-    The cached tensor is shared: do not modify it.
+    The cached tensor is shared: do not modify it. Never traced by dynamo (a compiled layer takes the
+    matrix as an input): traced, the call that builds it and the calls that find it cached compiled to
+    different graphs, and a recompute replay (which finds it cached) saved other tensors than its forward.
 
     Raises:
         ValueError: n is not a power of two.

@@ -94,3 +94,24 @@ def test_batch_tables_as_of_hides_what_was_built_since(gen):
         again = ctx.cos_sin(rope, torch.float64)  # built again, equal
         torch.testing.assert_close(again[0], tables[0], rtol=0, atol=0)
     assert ctx.cached_keys() == later and ctx.plan(4) is plan and ctx.cos_sin(rope, torch.float64) is tables
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_compiled_whole_layer_recompute_with_chunked_reference_attention(gen, phase):
+    """Query chunks of 32 rows (the reference attention recomputes each chunk: a checkpoint nested in the
+    layer's) and the indexer's cached Hadamard matrix: the replay still takes the forward's graph, on the
+    first batch (which builds the caches) and on a later one of other lengths; gradients as eager."""
+    model = build(tiny_args(n_layers=2, compress_ratios=(0, 4, 128)), phase, gen, chunk_size=32)
+    compiled = copy.deepcopy(model)
+    apply_recompute(compiled, [FULL_LAYER])
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager")
+    for lengths in ([37, 140, 21], [100, 60, 38]):
+        batch = packed_batch(lengths, model.args.vocab_size, gen)
+        loss, grads = _loss_and_grads(model, batch)
+        loss2, grads2 = _loss_and_grads(compiled, batch)
+        torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, grads2):
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
