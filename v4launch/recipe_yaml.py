@@ -69,6 +69,14 @@ class YamlLimitError(ValueError):
         self.line = line
 
 
+def as_written(value: Any) -> Any:
+    """A field value as a recipe writes it: ``true`` / ``false`` / ``null`` for Python's True / False / None
+    (for messages that quote a value; anything else is returned as it is)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return value
+
+
 def resolve_plain(text: str, line: int = 0) -> Any:
     """The value of an unquoted, untagged scalar under the YAML 1.2 core schema.
 

@@ -185,6 +185,11 @@ def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, st
         return f"{src}: missing required key '{path}'", field_description(loc)
     if isinstance(err.get("input"), (dict, list)) and kind in ("value_error", "assertion_error"):
         return f"{src}: {path or 'recipe'}: {msg}", None
+    if kind in ("model_type", "model_attributes_type", "dict_type") and _model(_annotation_at(loc)) is not None:
+        keys = valid_keys(loc)
+        return (f"{src}: {path} = {_value(err.get('input'))}: {path} is a section of keys ({', '.join(keys)}), "
+                "not a single value"), (f"fix: set its keys, e.g. {path}.{keys[0]}=... on the command line, or "
+                                        f"{path}: {{{keys[0]}: ...}} in the YAML")
     desc = field_description(loc)
     fix = _fix(err, path)
     about = f"{path}: {desc}" if desc else None

@@ -113,7 +113,7 @@ def test_document_cap_is_applied_to_the_data_the_job_reads(cli_run):
     code, out, text = cli("resume", run, "data.max_documents=6", "--dry-run", "--json")
     assert code == 0, text
     cap = items(out)["data.max_documents"]
-    assert cap["verdict"] == "applied" and "None → 6" in cap["reason"] and "prepared again" in cap["reason"]
+    assert cap["verdict"] == "applied" and "null → 6" in cap["reason"] and "prepared again" in cap["reason"]
     code, _, text = cli("resume", run, "data.max_documents=6", "--max-steps", "4", "--no-progress")
     assert code == 0, text
     prefix = json.loads((run / "run.json").read_text())["extra"]["data_prefix"]
@@ -124,7 +124,7 @@ def test_document_cap_is_applied_to_the_data_the_job_reads(cli_run):
     (note,) = events(run, "data")
     assert note["step"] == 3
     log = (run / "logs" / "rank0.log").read_text()
-    assert f"fresh pass over {ds.num_documents} documents" in log and "data.max_documents None → 6" in log
+    assert f"fresh pass over {ds.num_documents} documents" in log and "data.max_documents null → 6" in log
 
 
 def test_report_lists_every_changed_field_with_its_verdict(cli_run):

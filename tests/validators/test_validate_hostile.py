@@ -187,6 +187,9 @@ def test_layout_with_a_huge_repeat_count_is_bounded(tmp_path: Path, layout: str)
     ("model.moe.n_activated_experts=9", "n_activated_experts = 9 is more than the 8 routed experts", "<= 8"),
     ("curriculum.stages.1.lr=1e-9", "curriculum.stages.1.lr = 1e-09 is below optimizer.min_lr", ">="),
     ("run.seed=-1", "run.seed = -1", "at least 0"),
+    ("compile=3", "compile = 3: compile is a section of keys (enable, backend), not a single value",
+     "set its keys, e.g. compile.enable=..."),
+    ("parallel=[1]", "parallel is a section of keys (tp, pp,", "e.g. parallel.tp=..."),
 ])
 def test_absurd_values_are_refused_with_the_fix(tmp_path: Path, override: str, needle: str, fix: str):
     extra = ["curriculum.stages.0.steps=null"] if ".tokens=" in override else []  # one budget per stage

@@ -22,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..recipe_yaml import as_written
 from .sources import DataError
 
 
@@ -75,7 +76,8 @@ def loader_state_for_resume(saved: dict[str, Any] | None, *, manifest: Any, reci
             f"({_identity(*was)} then, {_identity(seed, ndocs, ntoks)} now) and {why}: resuming would skip or "
             "repeat documents", hint="restore the inputs the run was prepared from, or change the data: section "
                                      "explicitly with `v4launch resume RUN data.…=…` (the report says what changes)")
-    changed = ", ".join(f"data.{k} {old_section.get(k)} → {v}" for k, v in new_section.items() if old_section.get(k) != v)
+    changed = ", ".join(f"data.{k} {as_written(old_section.get(k))} → {as_written(v)}" for k, v in new_section.items()
+                        if old_section.get(k) != v)
     fresh = {**saved, "epoch": 0, "position": 0, "offset": 0, "seed": seed, "num_docs": ndocs, "num_tokens": ntoks,
              "dataset": getattr(dataset, "key", None)}
     note = (f"data: {changed} since checkpoint step {manifest.step}: the loader starts a fresh pass over "

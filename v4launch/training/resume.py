@@ -29,6 +29,7 @@ from typing import Any
 
 from ..checkpoints.listing import SET_ASIDE_PREFIX
 from ..errors import RefusedError, UsageError
+from ..recipe_yaml import as_written
 
 
 @dataclass(frozen=True)
@@ -286,8 +287,8 @@ def _meaning(path: str, new: Any, ctx: dict[str, Any]) -> tuple[str, str, str | 
     if path.startswith(("logging.", "checkpointing.")) or path in ("name", "description", "run.threads"):
         return "safe", f"bookkeeping only: used from step {step} (the training math is unchanged)", None
     if path.startswith("compile."):
-        return "applied", (f"the blocks are compiled as it says from step {step}: the same math, fused by the "
-                           "compiler (the last bits of rounding may differ)"), None
+        return "applied", (f"from step {step} the job compiles the blocks as the new compile: section says (or runs "
+                           "them eagerly): the same math, in other kernels (the last bits of rounding may differ)"), None
     if path.startswith("optimizer."):
         return "applied", f"the optimizer and LR schedule use it from step {step}; saved optimizer state is kept", None
     return "applied", f"the job trains with it from step {step}", None
@@ -332,7 +333,7 @@ def field_items(old: Any, recipe: Any, aspects: Any, *, launcher: str, step: int
     for path, a, b in changed_fields(old, recipe_fields(recipe)):
         if path in named:  # the aspect of the same name (parallel.ep, parallel.pp) already reports it
             continue
-        what = f"{a} → {b}"
+        what = f"{as_written(a)} → {as_written(b)}"
         aspect = _decided_by(path)
         decided = [i for i in aspects if aspect and (i.aspect == aspect or i.aspect.startswith(aspect))]
         staged = _stage_field(path, ctx)
