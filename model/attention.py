@@ -116,15 +116,6 @@ class BatchContext:
         return self._rope[key]
 
 
-@torch.compiler.disable
-def _recomputed_chunk(attend_chunk, *args):
-    """``attend_chunk(*args)`` under ``torch.utils.checkpoint`` (the reference path's chunk recompute, see
-    :class:`BatchContext`), never traced by dynamo: a compiled layer splits around it. Traced, the nested
-    checkpoint inside a whole-layer recompute made the replay save other tensors than the forward
-    (torch's CheckpointError); run eagerly it is the tested code."""
-    return checkpoint(attend_chunk, *args, use_reentrant=False)
-
-
 def sink_softmax(logits: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """Softmax with a sink in the denominator: ``p = exp(l) / (sum exp(l) + exp(sink))``.
 
@@ -209,7 +200,7 @@ class Attention(FP32Pinned):
         outs, kl_sum, kl_rows = [], None, 0
         attend = self._attend_chunk
         if ctx.recompute and torch.is_grad_enabled() and T > ctx.chunk_size:
-            attend = functools.partial(_recomputed_chunk, self._attend_chunk)
+            attend = functools.partial(checkpoint, self._attend_chunk, use_reentrant=False)
         # split, not q[rows]: a slice's backward zero-fills a whole [T, H, D] gradient per chunk
         # (O(T^2 * H * D / chunk) memory traffic, seconds at 128K); split joins the chunks once
         for start, q_rows in zip(range(0, T, ctx.chunk_size), q.split(ctx.chunk_size)):

@@ -24,16 +24,24 @@ from .rope import RotaryEmbedding, apply_rope
 _HADAMARD: dict[tuple, torch.Tensor] = {}
 
 
-@torch.compiler.disable
+def _sylvester(n: int, dtype: torch.dtype, device: torch.device, normalised: bool) -> torch.Tensor:
+    """The Sylvester-Hadamard matrix [n, n], built in float64 on ``device`` and cast once to ``dtype``."""
+    h = torch.ones(1, 1, dtype=torch.float64, device=device)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h * n ** -0.5 if normalised else h).to(dtype)
+
+
 def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device, normalised: bool = True) -> torch.Tensor:
     """Sylvester-Hadamard matrix [n, n] (symmetric; n a power of 2), built once per (n, dtype, device).
 
     ``normalised``: entries ``+-n**-0.5`` (orthogonal), so ``x @ H`` equals
     ``fast_hadamard_transform(x, scale=n**-0.5)`` used upstream (``rotate_activation``);
     else the +-1 signs (exact in bf16). Deterministic, not randomised (spec §2 "Indexer").
-    The cached tensor is shared: do not modify it. Never traced by dynamo (a compiled layer takes the
-    matrix as an input): traced, the call that builds it and the calls that find it cached compiled to
-    different graphs, and a recompute replay (which finds it cached) saved other tensors than its forward.
+    The cached tensor is shared: do not modify it. Inside a compiled region the matrix is built in the
+    graph instead (n^2 elements, n <= 128 here): a cache filled inside a traced call made the building
+    call and the later ones compile to different graphs, and a recompute replay (which found the matrix
+    cached) saved other tensors than its forward.
 
     Raises:
         ValueError: n is not a power of two.
@@ -41,13 +49,12 @@ def hadamard_matrix(n: int, dtype: torch.dtype, device: torch.device, normalised
     if n < 1 or n & (n - 1):
         raise ValueError(f"hadamard size n={n}: must be a power of two. Fix: use a power-of-two index_head_dim "
                          "or ModelArgs(use_hadamard=False).")
+    if torch.compiler.is_compiling():
+        return _sylvester(n, dtype, torch.device(device), normalised)
     key = (n, dtype, torch.device(device), normalised)
     if key not in _HADAMARD:
         with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable by autograd later
-            h = torch.ones(1, 1, dtype=torch.float64)
-            while h.shape[0] < n:
-                h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-            _HADAMARD[key] = (h * n ** -0.5 if normalised else h).to(device=device, dtype=dtype)
+            _HADAMARD[key] = _sylvester(n, dtype, torch.device(device), normalised)
     return _HADAMARD[key]
 
 
