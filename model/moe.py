@@ -56,13 +56,12 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     counts = torch.zeros(n_segments, n_experts, dtype=scores.dtype, device=scores.device).index_add_(0, seg, chosen)
     p_norm = scores / scores.sum(dim=-1, keepdim=True)
     p_sum = torch.zeros_like(counts).index_add_(0, seg, p_norm)  # [N, E]
-    if cp is not None and cp.size > 1:
+    split = cp is not None and cp.size > 1
+    if split:
         counts = cp.sum_counts(counts)  # global f (no gradient)
     t_b = counts.sum(dim=1) / K  # [N] tokens per segment: each token picks exactly K experts (exact below 2^24 / K)
     per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # under CP: this rank's share of P
-    if cp is not None and cp.size > 1:
-        return cp.sum_partial(per_seg.sum()) / n_segments
-    return per_seg.mean()
+    return cp.sum_partial(per_seg.sum()) / n_segments if split else per_seg.mean()
 
 
 class Gate(FP32Pinned):

@@ -93,7 +93,9 @@ def _replayed_moe(module: nn.Module, name: str) -> Callable[[nn.Module], MoE] | 
 
 
 def _checkpointing(base: type, name: str, moe_of: Callable[[nn.Module], MoE] | None) -> Callable:
-    """A method that runs ``base.<name>`` (looked up at each call) under a non-reentrant checkpoint.
+    """A method that runs ``base.<name>`` (looked up at each call; the module's compiled copy in
+    ``COMPILED_REGIONS`` when there is one) under a non-reentrant checkpoint. A replay sees the batch's
+    tables as the forward did (``BatchContext.as_of``, when an argument is the batch context).
 
     ``moe_of``: the MoE inside the region (None: none); its replay puts the expert counts back as they were,
     so they are counted once. Regions holding a MoE may hold collectives (the balance loss's CP sums,

@@ -24,6 +24,16 @@ def _loss_and_grads(model, batch):
     return loss.detach(), grads
 
 
+def _assert_same_loss_and_grads(model, compiled, batch):
+    """``compiled`` gives ``model``'s loss to 1e-12 and every gradient to 1e-10 (float64) on ``batch``."""
+    loss, grads = _loss_and_grads(model, batch)
+    loss2, grads2 = _loss_and_grads(compiled, batch)
+    torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, grads2):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(gen):
     model = build(tiny_args(n_layers=2, compress_ratios=(0, 4, 0)), "dense", gen)
@@ -67,12 +77,7 @@ def test_compiled_recomputed_regions_match_eager_and_run_compiled(gen, regions):
             assert name in module.__dict__[COMPILED_REGIONS]
     keys = list(model.state_dict())
     for _ in range(2):  # the second pass takes the cached graphs
-        loss, grads = _loss_and_grads(model, batch)
-        loss2, grads2 = _loss_and_grads(compiled, batch)
-        torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
-        for a, b in zip(grads, grads2):
-            if a is not None:
-                torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+        _assert_same_loss_and_grads(model, compiled, batch)
     assert counters["stats"]["unique_graphs"] > 0
     assert list(compiled.state_dict()) == keys
     for a, b in zip(_expert_counts(model), _expert_counts(compiled)):
@@ -108,10 +113,4 @@ def test_compiled_whole_layer_recompute_with_chunked_reference_attention(gen, ph
     torch._dynamo.reset()
     compile_blocks(compiled, backend="aot_eager")
     for lengths in ([37, 140, 21], [100, 60, 38]):
-        batch = packed_batch(lengths, model.args.vocab_size, gen)
-        loss, grads = _loss_and_grads(model, batch)
-        loss2, grads2 = _loss_and_grads(compiled, batch)
-        torch.testing.assert_close(loss2, loss, rtol=1e-12, atol=1e-12)
-        for a, b in zip(grads, grads2):
-            if a is not None:
-                torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10)
+        _assert_same_loss_and_grads(model, compiled, packed_batch(lengths, model.args.vocab_size, gen))

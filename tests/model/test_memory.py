@@ -8,22 +8,8 @@ operator produces (a dispatch mode), and the bytes autograd saves for backward
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from v4_helpers import build, packed_batch, tiny_args
-
-
-class LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
+from v4_helpers import LargestTensor, build, packed_batch, tiny_args
 
 
 def _measure(model, T, gen):

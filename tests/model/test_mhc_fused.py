@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from v4_helpers import LargestTensor
 from v4launch.model import mhc
 
 
@@ -76,25 +77,11 @@ def test_compiled_mixing_compiles_once_for_every_row_count(gen):
 def test_post_mixing_run_eagerly_keeps_no_four_dimensional_product(gen):
     """hc_post_fused outside a compiled region (dynamo gave up on a call) takes the batched product: no op
     makes a [T, hc, hc, dim] tensor (4 x the streams: 32 MiB per call at 8K rows of a 64-wide tiny model)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Sizes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.largest = max(self.largest, t.numel())
-            return out
-
     T, hc, dim = 33, 4, 16
     x, fn, scale, base = _inputs(gen, T=T, hc=hc, dim=dim)
     f = torch.randn(T, dim, generator=gen, dtype=x.dtype)
     _, post, comb = mhc.hc_pre(x, fn, scale, base, 20, 1e-6, 1e-6)
-    with Sizes() as sizes:
+    with LargestTensor() as sizes:
         out = mhc.hc_post_fused(f, x, post, comb)
     assert sizes.largest == T * hc * dim  # the result's size; the broadcast would make T * hc * hc * dim
     torch.testing.assert_close(out, mhc.hc_post(f, x, post, comb), rtol=1e-12, atol=1e-12)

@@ -9,8 +9,24 @@ import os
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from v4launch.model import ModelArgs, V4Model
+
+
+class LargestTensor(TorchDispatchMode):
+    """A dispatch mode recording ``largest``: the most elements of any tensor an operator returned inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 def tiny_args(**changes) -> ModelArgs:
