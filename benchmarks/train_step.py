@@ -62,6 +62,7 @@ from v4launch.model import matmul, mhc  # noqa: E402
 from v4launch.model.attention import Attention  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.model.kernels import attention_forward, select_backend  # noqa: E402
+from v4launch.training.step_profile import host_and_device_ms  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
 ORIGINAL_FORWARD = Attention.forward
@@ -218,8 +219,7 @@ def profile(step, phase: str, path: str, a) -> dict:
     prof.export_chrome_trace(str(out / f"trace_{phase}_{path}.json"))
     events = prof.key_averages()
     dev = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
-    gpu_ms = sum(dev(e) for e in events) / 1e3 / n
-    cpu_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+    cpu_ms, gpu_ms = (x / n for x in host_and_device_ms(events))  # each event once, as the job's profiler
     kernels = sorted((e for e in events if dev(e) > 0 and e.self_cpu_time_total == 0), key=dev, reverse=True)
     top = [dict(name=e.key[:90], ms_per_step=dev(e) / 1e3 / n, calls_per_step=e.count / n,
                 share=dev(e) / 1e3 / n / gpu_ms if gpu_ms else 0.0) for e in kernels[:a.profile_top]]

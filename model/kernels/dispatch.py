@@ -38,6 +38,8 @@ class Backend:
     indexer_topk(q [T,HI,dI], w [T,HI], keys [C,dI], first [T], n_visible [T], topk, max_entries)
         -> idx [T, min(topk, max_entries)] int32 global entry ids, -1 = masked.
     head_avg_probs(q, kv, idx, scale) -> [T, K] float: the sparse-phase KL teacher.
+    student_scores(q [T,HI,dI], w [T,HI], keys [C,dI], sel [T,K]) -> [T, K] float32: the sparse-phase KL
+        student (indexer scores at the selection); differentiable in q, w, keys.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Backend:
     sparse_sink_attention: Callable
     indexer_topk: Callable
     head_avg_probs: Callable
+    student_scores: Callable
 
 
 def _triton_problem(device: torch.device) -> Optional[str]:
@@ -66,6 +69,7 @@ def _triton_problem(device: torch.device) -> Optional[str]:
 def _triton_backend(requested: str) -> Backend:
     from . import triton_attention as ta
     from . import triton_indexer as ti
+    from . import triton_student as ts
 
     def attn(q, kv, idx, sink, scale, ranges=None):
         if ta.supported(q, kv):
@@ -82,12 +86,17 @@ def _triton_backend(requested: str) -> Backend:
             return ta.head_avg_probs(q, kv, idx, scale)
         return reference.head_avg_probs(q, kv, idx, scale)
 
-    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher)
+    def student(q, w, keys, sel):
+        if ts.supported(q, keys):  # not under deterministic mode: its key gradient is summed with atomics
+            return ts.student_scores(q, w, keys, sel)
+        return reference.student_scores(q, w, keys, sel)
+
+    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student)
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:
     return Backend("reference", requested, reason, reference.sparse_sink_attention, reference.indexer_topk,
-                   reference.head_avg_probs)
+                   reference.head_avg_probs, reference.student_scores)
 
 
 def select_backend(name: str, device: torch.device | str | None = None) -> Backend:

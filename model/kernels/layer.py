@@ -10,7 +10,8 @@
   indexer passes the top-k as an index table [T, k] (``backend.indexer_topk``);
 * one ``backend.sparse_sink_attention`` call over all T queries (no query chunking);
 * sparse-phase KL: teacher = ``backend.head_avg_probs`` over the selected entries,
-  student = indexer scores at the selection (bf16 matmuls, recomputed in backward);
+  student = ``backend.student_scores``, the indexer scores at the selection (float32 logits,
+  recomputed in backward);
 * warm-up KL (teacher over ALL visible entries) is quadratic by definition: it runs the
   reference math in query chunks with the student checkpointed per chunk.
 
@@ -38,50 +39,6 @@ def gather_label(cp, layer_id: int) -> str:
     device (``cp.size == 1``), where nothing is gathered: a per-layer string would make
     ``torch.compile`` specialise, and recompile, every compiled block on its layer id."""
     return f"layer_{layer_id:02d}" if cp.size > 1 else "layer"
-
-
-def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
-    acc = acc_dtype(q.dtype)  # float32 like Indexer.score_at: the KL gradient (p_s - p_t) is sensitive to it
-    logits = torch.einsum("rhd,rkd->rhk", q.to(acc), keys[sel.clamp_min(0).long()].to(acc))
-    return torch.einsum("rhk,rh->rk", logits.relu(), w.to(acc))
-
-
-class _StudentAt(torch.autograd.Function):
-    """Student scores at the selection, chunked; backward recomputes each chunk (O(chunk) memory)."""
-
-    ROWS = 2048
-
-    @staticmethod
-    def forward(ctx, q, w, keys, sel):
-        T, K = sel.shape
-        out = torch.empty(T, K, dtype=acc_dtype(q.dtype), device=q.device)
-        for r0 in range(0, T, _StudentAt.ROWS):
-            r1 = min(T, r0 + _StudentAt.ROWS)
-            out[r0:r1] = _score_at(q[r0:r1], w[r0:r1], keys, sel[r0:r1])
-        ctx.save_for_backward(q, w, keys, sel)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        """Explicit gradients; the key gradient is scattered with index_add_ (atomic), not the
-        sort-based deterministic index backward of ``keys[sel]`` (41% of a 64K CSA step)."""
-        q, w, keys, sel = ctx.saved_tensors
-        acc = acc_dtype(q.dtype)
-        dq, dw = torch.empty_like(q), torch.empty_like(w)
-        dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
-        for r0 in range(0, sel.shape[0], _StudentAt.ROWS):
-            r1 = min(sel.shape[0], r0 + _StudentAt.ROWS)
-            s_idx = sel[r0:r1].clamp_min(0).long()
-            ok = (sel[r0:r1] >= 0).to(acc)
-            qc, wc, gc = q[r0:r1].to(acc), w[r0:r1].to(acc), g[r0:r1].to(acc) * ok  # [R,HI,dI], [R,HI], [R,K]
-            kg = keys[s_idx].to(acc)  # [R, K, dI]
-            logits = torch.einsum("rhd,rkd->rhk", qc, kg)
-            dw[r0:r1] = torch.einsum("rhk,rk->rh", logits.relu(), gc).to(w.dtype)
-            gl = (logits > 0).to(acc) * wc[:, :, None] * gc[:, None, :]  # [R, HI, K]
-            dq[r0:r1] = torch.einsum("rhk,rkd->rhd", gl, kg).to(q.dtype)
-            dkeys.index_add_(0, s_idx.flatten(), torch.einsum("rhk,rhd->rkd", gl, qc).flatten(0, 1))
-        return dq, dw, dkeys.to(keys.dtype), None
 
 
 def kl_from_probs(p_t: torch.Tensor, student: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,7 +135,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
         if ctx.kl_target == "selected":
             valid = sel >= 0
             p_t = backend.head_avg_probs(q.detach(), kv_all.detach(), idx, attn.softmax_scale)
-            student = _StudentAt.apply(inp.q, inp.w, inp.keys, sel)
+            student = backend.student_scores(inp.q, inp.w, inp.keys, sel)
             kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
         else:
             kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)

@@ -146,3 +146,60 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: to
             out[r0:r1, :kk] = torch.where(torch.isfinite(val), pos + lo, -1).to(torch.int32)
     return out
 
+
+
+def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
+    acc = acc_dtype(q.dtype)  # float32 like Indexer.score_at: the KL gradient (p_s - p_t) is sensitive to it
+    logits = torch.einsum("rhd,rkd->rhk", q.to(acc), keys[sel.clamp_min(0).long()].to(acc))
+    return torch.einsum("rhk,rh->rk", logits.relu(), w.to(acc))
+
+
+class _StudentScores(torch.autograd.Function):
+    """Student scores at the selection, in chunks of ``ROWS`` query rows; the backward recomputes
+    each chunk's logits (O(chunk · K · dI) memory) and scatters the key gradient with
+    ``index_add_`` (atomic; torch's deterministic mode makes it sort-based), not the sort-based
+    index backward of ``keys[sel]`` (41% of a 64K CSA step)."""
+
+    ROWS = 2048
+
+    @staticmethod
+    def forward(ctx, q, w, keys, sel):
+        T, K = sel.shape
+        out = torch.empty(T, K, dtype=acc_dtype(q.dtype), device=q.device)
+        for r0 in range(0, T, _StudentScores.ROWS):
+            r1 = min(T, r0 + _StudentScores.ROWS)
+            out[r0:r1] = _score_at(q[r0:r1], w[r0:r1], keys, sel[r0:r1])
+        ctx.save_for_backward(q, w, keys, sel)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, w, keys, sel = ctx.saved_tensors
+        acc = acc_dtype(q.dtype)
+        dq, dw = torch.empty_like(q), torch.empty_like(w)
+        dkeys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        for r0 in range(0, sel.shape[0], _StudentScores.ROWS):
+            r1 = min(sel.shape[0], r0 + _StudentScores.ROWS)
+            s_idx = sel[r0:r1].clamp_min(0).long()
+            ok = (sel[r0:r1] >= 0).to(acc)
+            qc, wc, gc = q[r0:r1].to(acc), w[r0:r1].to(acc), g[r0:r1].to(acc) * ok  # [R,HI,dI], [R,HI], [R,K]
+            kg = keys[s_idx].to(acc)  # [R, K, dI]
+            logits = torch.einsum("rhd,rkd->rhk", qc, kg)
+            dw[r0:r1] = torch.einsum("rhk,rk->rh", logits.relu(), gc).to(w.dtype)
+            gl = (logits > 0).to(acc) * wc[:, :, None] * gc[:, None, :]  # [R, HI, K]
+            dq[r0:r1] = torch.einsum("rhk,rkd->rhd", gl, kg).to(q.dtype)
+            dkeys.index_add_(0, s_idx.flatten(), torch.einsum("rhk,rhd->rkd", gl, qc).flatten(0, 1))
+        return dq, dw, dkeys.to(keys.dtype), None
+
+
+def student_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Sparse-phase KL student: the indexer's scores at its own selection,
+    ``s[t, k] = sum_h w[t, h] * relu(q[t, h] . keys[sel[t, k]])`` (``Indexer.score_at``).
+
+    q [T, HI, dI], w [T, HI] (temperature folded in), keys [C, dI], sel [T, K] int global entry ids
+    (``-1`` = masked: the slot's score is that of entry 0 and its gradient is zero; the KL ignores
+    it) -> [T, K] float32 (float64 for float64 inputs). Differentiable in q, w and keys; computed in
+    float32 whatever the inputs' dtype (the KL gradient ``p_s - p_t`` is sensitive to it).
+    """
+    return _StudentScores.apply(q, w, keys, sel)

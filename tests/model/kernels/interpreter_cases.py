@@ -22,6 +22,7 @@ from v4launch.model.kernels import reference as ref  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
 from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
+from v4launch.model.kernels import triton_student as ts  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,6 +107,30 @@ def teacher_and_indexer_cases(seed: int) -> dict:
             "indexer_scores": dict(scores=rel(s[fin], s_t[fin]), masked_differ=0.0 if same_inf else 1.0)}
 
 
+def student_case(seed: int) -> dict:
+    """The sparse-phase KL student and its three gradients against a dense float64 formula (every
+    entry scored, then read at the selection). K = 70 is two blocks and a partial one; each row
+    selects distinct entries, rows share entries (the key gradient's atomics collide), 20% of the
+    slots are masked and row 2 entirely."""
+    g = torch.Generator().manual_seed(seed + 3)
+    T, HI, DI, C, K = 12, 16, 32, 90, 70
+    q, w, keys = torch.randn(T, HI, DI, generator=g), torch.randn(T, HI, generator=g), torch.randn(C, DI, generator=g)
+    sel = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(T)]).int()
+    sel[torch.rand(T, K, generator=g) < 0.2] = -1
+    sel[2] = -1
+    g_out = torch.randn(T, K, generator=g)
+    qd, wd, kd = (x.double().requires_grad_() for x in (q, w, keys))
+    dense = torch.einsum("thc,th->tc", torch.einsum("thd,cd->thc", qd, kd).relu(), wd)  # [T, C]
+    truth = dense.gather(1, sel.clamp_min(0).long())
+    ok = (sel >= 0).double()
+    grads_t = torch.autograd.grad((truth * g_out.double() * ok).sum(), (qd, wd, kd))
+    qk, wk, kk = (x.clone().requires_grad_() for x in (q, w, keys))
+    out = ts.student_scores(qk, wk, kk, sel)
+    grads = torch.autograd.grad((out * g_out).sum(), (qk, wk, kk))
+    return {"student": dict(scores=rel(out[sel >= 0], truth[sel >= 0]),
+                            **{f"d{n}": rel(a, b) for n, a, b in zip(("q", "w", "keys"), grads, grads_t)})}
+
+
 if __name__ == "__main__":
     seed = int(sys.argv[1])
-    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed)}))
+    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed), **student_case(seed)}))

@@ -1,0 +1,136 @@
+"""Triton kernels (SM90): the sparse-phase KL student, the indexer's scores at its own selection.
+
+``s[t, k] = sum_h w[t, h] * relu(q[t, h] . keys[sel[t, k]])`` and its gradients in q, w and keys,
+one program per query row, the K selected entries in blocks of ``BK``:
+
+* forward: gather the block's key rows, one matrix product [HI, dI] x [dI, BK] (float32
+  accumulation: for bf16 inputs every product is exact, as in the reference's float32 einsum),
+  ReLU and the head weights fused; nothing but the [T, K] scores is written;
+* backward: recompute the block's logits, then ``dw`` and ``dq`` accumulate in registers and the
+  key gradient of the block, ``gl^T q`` [BK, dI], is added to a float32 [C, dI] buffer with
+  relaxed atomics (rows of one query are distinct entries; rows of different queries collide).
+  Its two matrix products run in float32 (``ieee``): the gradient ``p_s - p_t`` is small and
+  would lose its low bits in bf16.
+
+The reference (``reference.student_scores``) materialises the gathered keys and the per-slot key
+gradient, [rows, K, dI] float32 each, and scatters the latter with ``index_add_``: at the
+benchmark's shape (8,192 rows, K = 512, dI = 128) that was ~40 ms of a 260 ms GPU step on an H200
+(benchmarks/results/train_step_h200.md). The atomics make the key gradient's summation order
+vary between runs, so under ``torch.use_deterministic_algorithms(True)`` the dispatch
+(``dispatch._triton_backend``) runs the reference instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BK = 64
+
+
+@triton.jit
+def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
+                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HI)
+    offs_d = tl.arange(0, DI)
+    q = tl.load(Q + r * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])  # [HI, DI]
+    w = tl.load(W + r * sw_t + offs_h).to(tl.float32)  # [HI]
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        ent = tl.maximum(tl.load(SEL + r * ss_t + ks, mask=kmask, other=0), 0).to(tl.int64)
+        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
+        logits = tl.dot(q, kt, input_precision=PREC)  # [HI, BK] float32
+        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
+        tl.store(OUT + r * so_t + ks, s, mask=kmask)
+
+
+@triton.jit
+def _student_bwd(Q, W, KEYS, SEL, G, DQ, DW, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t,
+                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HI)
+    offs_d = tl.arange(0, DI)
+    q = tl.load(Q + r * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])  # [HI, DI]
+    qf = q.to(tl.float32)
+    w = tl.load(W + r * sw_t + offs_h).to(tl.float32)
+    dq = tl.zeros([HI, DI], tl.float32)
+    dw = tl.zeros([HI], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        raw = tl.load(SEL + r * ss_t + ks, mask=kmask, other=-1)
+        ok = raw >= 0
+        ent = tl.maximum(raw, 0).to(tl.int64)
+        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
+        logits = tl.dot(q, kt, input_precision=PREC)  # [HI, BK]
+        g = tl.load(G + r * sg_t + ks, mask=ok, other=0.0).to(tl.float32)  # [BK], 0 at masked slots
+        dw += tl.sum(tl.maximum(logits, 0.0) * g[None, :], 1)
+        gl = tl.where(logits > 0, w[:, None] * g[None, :], 0.0)  # [HI, BK] d logits
+        dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")  # [HI, DI]
+        dk = tl.dot(tl.trans(gl), qf, input_precision="ieee")  # [BK, DI]
+        tl.atomic_add(DKEYS + ent[:, None] * DI + offs_d[None, :], dk, mask=ok[:, None], sem="relaxed")
+    tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
+    tl.store(DW + r * HI + offs_h, dw)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16 / fp16 operands
+
+
+class _StudentScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, w, keys, sel):
+        dtype = torch.promote_types(q.dtype, keys.dtype)
+        qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
+        wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
+        T, HI, DI = qc.shape
+        K = selc.shape[1]
+        out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+        if T and K:
+            _student_fwd[(T,)](qc, wc, kc, selc, out, K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0),
+                               out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(dtype), num_warps=4)
+        ctx.save_for_backward(qc, wc, kc, selc)
+        ctx.dtypes = (q.dtype, w.dtype, keys.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        qc, wc, kc, selc = ctx.saved_tensors
+        q_dtype, w_dtype, keys_dtype = ctx.dtypes
+        T, HI, DI = qc.shape
+        K = selc.shape[1]
+        g = g.to(torch.float32).contiguous()
+        dq = torch.empty(T, HI, DI, dtype=torch.float32, device=g.device)
+        dw = torch.empty(T, HI, dtype=torch.float32, device=g.device)
+        dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
+        if T and K:
+            _student_bwd[(T,)](qc, wc, kc, selc, g, dq, dw, dkeys, K, qc.stride(0), qc.stride(1), wc.stride(0),
+                               selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype),
+                               num_warps=4)
+        else:
+            dq.zero_()
+            dw.zero_()
+        return dq.to(q_dtype), dw.to(w_dtype), dkeys.to(keys_dtype), None
+
+
+@torch.compiler.disable
+def student_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`reference.student_scores` (same arguments, [T, K] float32 result,
+    gradients in q, w and keys). Never traced by ``torch.compile``: a compiled caller breaks its
+    graph here, as at the other kernels. Raises nothing itself; :func:`supported` says which
+    shapes it takes."""
+    return _StudentScores.apply(q, w, keys, sel)
+
+
+def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernels take: CUDA, bf16 / fp16 / fp32, head count and head dim powers of
+    two >= 16 (the matrix-product tile minimum), and not under torch's deterministic mode (the key
+    gradient is summed with atomics)."""
+    HI, DI = q.shape[1], q.shape[2]
+    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in (HI, DI))
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and keys.dtype in (torch.bfloat16, torch.float16, torch.float32) and pow2
+            and not torch.are_deterministic_algorithms_enabled())
