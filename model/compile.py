@@ -63,6 +63,24 @@ def keep_graph_order() -> None:
     switch(False)
 
 
+def toolchain_problem(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` cannot generate code for ``device`` here, or None.
+
+    inductor compiles C++ for a CPU (the compiler it searches: ``torch._inductor.config.cpp.cxx``, or
+    ``$CXX``); without one the first compiled forward fails deep inside the step. Other backends and
+    GPUs (inductor writes Triton there) need nothing checked here.
+    """
+    if backend != "inductor" or device.type != "cpu":
+        return None
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - inductor raises its own error types for a missing compiler
+        return f"inductor generates C++ for the CPU but found no C++ compiler ({type(exc).__name__}: {exc})"
+    return None
+
+
 def compile_blocks(model: nn.Module, *, fullgraph: bool = False, backend: str = "inductor",
                    dynamic: bool | None = None) -> int:
     """``torch.compile`` every ``Block`` (decoder and MTP layers) of ``model`` in place.

@@ -43,3 +43,23 @@ def test_compiled_run_tracks_the_eager_run_through_every_phase(new_run, recomput
         assert [k for k, _ in aux_a] == [k for k, _ in aux_b]
         for (k, va), (_, vb) in zip(aux_a, aux_b):
             assert vb == pytest.approx(va, rel=rel_aux, abs=1e-6), (step, k)
+
+
+def test_inductor_without_a_cpp_compiler_is_refused_before_the_first_step(new_run, monkeypatch):
+    """On a CPU, inductor needs a C++ compiler; without one the job stops at start with the field, the
+    reason and the fix (it failed inside the first forward with inductor's own traceback)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpp_builder
+
+    from v4launch.errors import UsageError
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/no/such/c++",))
+    cpp_builder.cpp_compiler_search.cache_clear()
+    try:
+        run_dir = new_run({"compile": {"enable": True, "backend": "inductor"}}, name="no_cxx")
+        with pytest.raises(UsageError, match=r"compile.backend = inductor on cpu: .*no C\+\+ compiler") as err:
+            train(run_dir, progress=False)
+        assert "compile.backend=aot_eager" in err.value.hint and "compile.enable=false" in err.value.hint
+        assert not list((run_dir / "checkpoints").glob("step_*"))  # nothing trained, nothing saved
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()

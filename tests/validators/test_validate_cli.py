@@ -41,6 +41,18 @@ def test_violation_exits_1_with_field_source_and_fix(in_tmp: Path):
     assert "override parallel.cp_partition=zigzag" in out and "fix:" in out and "FAIL: 1 violation" in out
 
 
+def test_a_whole_recipe_fix_is_printed_once_and_referred_to_under_later_stages(in_tmp: Path):
+    """pro_16n fails V4-MEMORY in all six stages with one whole-recipe fix: printed in full under the
+    first stage, referred to under the others (it was printed six times)."""
+    code, out, _, exc = invoke(["validate", str(RECIPES / "pro_16n.yaml")])
+    assert exc is None and code == 1
+    arrows = [line for line in out.splitlines() if line.startswith("  → V4-MEMORY")]
+    assert len(arrows) == 6, arrows
+    assert "cluster.nodes=64" in arrows[0]
+    assert all(line.endswith("fix: the same as under stage 0 dense_64k (above)") for line in arrows[1:]), arrows
+    assert out.count("cluster.nodes=64 parallel.ep=128") == 1
+
+
 def test_warning_only_exits_0(in_tmp: Path):
     path = write_recipe(in_tmp, base())
     code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])

@@ -122,11 +122,18 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
     return table
 
 
-def _block(con: Any, results: tuple[RuleResult, ...]) -> None:
-    """One group's table, then the fix of each failed or warned rule on its own line."""
+def _block(con: Any, results: tuple[RuleResult, ...], where: str, shown: dict[tuple[str, str], str]) -> None:
+    """One group's table, then the fix of each failed or warned rule on its own line. A fix already
+    printed for an earlier group (``shown``: (rule, fix) -> that group's name; a whole-recipe fix is
+    the same under every stage) is referred to, not repeated."""
     con.print(_table(results))
     for v in (v for r in results for v in r.violations):
-        con.print(Text("  → ", style="cyan") + Text(f"{v.rule_id}: ", style="bold") + Text(f"fix: {v.fix}", style="cyan"))
+        head = Text("  → ", style="cyan") + Text(f"{v.rule_id}: ", style="bold")
+        first = shown.setdefault((v.rule_id, v.fix), where)
+        if first == where:
+            con.print(head + Text(f"fix: {v.fix}", style="cyan"))
+        else:
+            con.print(head + Text(f"fix: the same as under {first} (above)", style="cyan"))
 
 
 def _stage_lines(stage: StageResult) -> Text:
@@ -204,11 +211,12 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
     if recipe.description:
         con.print(Text(recipe.description, style="dim"))
     con.print("\n[bold]recipe-wide rules[/bold]")
-    _block(con, report.recipe_results)
+    shown: dict[tuple[str, str], str] = {}
+    _block(con, report.recipe_results, "the recipe-wide rules", shown)
     for stage in report.stages:
         con.print()
         con.print(_stage_lines(stage))
-        _block(con, stage.results)
+        _block(con, stage.results, f"stage {stage.index} {stage.name}", shown)
     table = _memory_table(report)
     if table is not None:
         con.print("\n[bold]memory plan[/bold] (per GPU, on the pipeline rank that needs the most; "

@@ -15,8 +15,9 @@ from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids
 from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoints.stateful import ModelState, OptimizerState
 from ..data.resume_state import loader_state_for_resume
-from ..errors import ContractViolation, RefusedError
+from ..errors import ContractViolation, RefusedError, UsageError
 from ..model import V4Model
+from ..model.compile import toolchain_problem
 from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
@@ -45,6 +46,12 @@ class Runner:
                                  distributed_optimizer=par.distributed_optimizer,
                                  recompute=tuple(recompute_names(self.recipe)),
                                  compile_backend=self.recipe.compile.backend if self.recipe.compile.enable else None)
+        if self.dims.compile_backend is not None:
+            problem = toolchain_problem(self.dims.compile_backend, info.device)
+            if problem is not None:
+                raise UsageError(f"compile.backend = {self.dims.compile_backend} on {info.device}: {problem}",
+                                 hint="fix: compile.backend=aot_eager (checks the tracing, no speed-up), or "
+                                      "compile.enable=false, or install g++ (or point $CXX at a C++ compiler)")
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
