@@ -106,6 +106,28 @@ def test_plan_is_within_tolerance_of_the_peak_measured_on_an_h200(row):
     assert abs(planned / measured - 1) <= TOLERANCE, (planned / GIB, measured / GIB)
 
 
+PRODUCT_RUNS = [  # (recipe, overrides, peak GiB of the job's `memory` event on one H200, where it is recorded)
+    ("bench_h200.yaml", (), 33.62, "benchmarks/results/compile_h200_2026-12-01_confirm_eager.txt"),
+    ("bench_h200.yaml", ("parallel.recompute_granularity=full",), 16.53, "benchmarks/results/recompute_full_h200.md"),
+    ("tiny_cpu.yaml", ("cluster.gpu=H200", "cluster.gpus_per_node=1", "curriculum.stages.2.cp=1"), 0.21,
+     "benchmarks/results/tiny_run_h200_2026-12-01_after_mhc.log"),
+]
+PRODUCT_TOLERANCE = 0.15
+"""Issue 18's bound. Whole runs (optimizer, data loader, every phase) plan +11.1% for the recompute row (the
+warm-up stage's reference attention under whole-layer recompute, docs/memory-plan.md); the job logs the
+peak with two decimals, which for the tiny row alone is +-2.4%."""
+
+
+@pytest.mark.parametrize("recipe,overrides,measured_gib,source", PRODUCT_RUNS,
+                         ids=[f"{r}{'+' + ','.join(o) if o else ''}" for r, o, _, _ in PRODUCT_RUNS])
+def test_plan_is_within_the_issue_bound_of_whole_product_runs_on_an_h200(recipe, overrides, measured_gib, source):
+    """`v4launch run` on one H200: the job's peak (torch.cuda.max_memory_allocated over the whole run) against
+    the plan's allocated bytes maximised over the stages (the headroom is what max_memory_allocated does not see)."""
+    loaded = load_recipe(RECIPES / recipe, list(overrides)).recipe
+    planned = max(memory_plan(loaded, i).allocated_bytes for i in range(len(loaded.curriculum.stages))) / GIB
+    assert abs(planned / measured_gib - 1) <= PRODUCT_TOLERANCE, (planned, measured_gib, source)
+
+
 @pytest.mark.parametrize("row", CALIBRATION["oom_rows"], ids=lambda r: f"{r['recompute']}-L{r['L']}-T{r['T']}")
 def test_rows_that_ran_out_of_memory_are_planned_over_the_h200(row):
     plan = memory_plan(_measured_recipe(row), 0)
