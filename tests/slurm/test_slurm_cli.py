@@ -63,6 +63,27 @@ def test_submit_defaults_to_the_workspace_recipe(ws):
     assert "#SBATCH --qos=high" in out.stdout
 
 
+def test_submit_takes_a_shipped_recipe_by_name_as_validate_does(ws):
+    from v4launch.workspace import Workspace
+
+    out = cli("submit", "tiny_cpu", "--nodes", "1", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=1" in out.stdout
+    assert out.stdout and not (ws / "runs").exists()
+    assert Workspace(ws).state().get("recipe") is None  # a dry run records nothing
+
+
+def test_nodes_flag_and_a_pasted_cluster_nodes_edit_that_disagree_are_refused(ws):
+    """A V4-MEMORY fix pasted after `--nodes 4` says cluster.nodes=8: the flag used to win silently."""
+    out = cli("submit", TINY, "--nodes", "4", "cluster.nodes=8", "--dry-run", cwd=ws)
+    assert out.returncode == 2 and not out.stdout
+    text = " ".join(out.stderr.split())
+    assert "--nodes 4 and the override cluster.nodes=8 disagree" in text and "drop --nodes" in text
+    assert "Traceback" not in out.stderr and not (ws / "runs").exists()
+    same = cli("submit", TINY, "--nodes", "1", "cluster.nodes=1", "--dry-run", cwd=ws)
+    assert same.returncode == 0, same.stderr
+
+
 def test_contract_violation_refuses_with_rule_ids(ws):
     out = cli("submit", TINY, "parallel.cp=3", "--nodes", "2", "--dry-run", cwd=ws)
     assert out.returncode == 1

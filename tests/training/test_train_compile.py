@@ -63,3 +63,22 @@ def test_inductor_without_a_cpp_compiler_is_refused_before_the_first_step(new_ru
         assert not list((run_dir / "checkpoints").glob("step_*"))  # nothing trained, nothing saved
     finally:
         cpp_builder.cpp_compiler_search.cache_clear()
+
+
+def test_run_refuses_inductor_without_a_cpp_compiler_before_data_and_run_directory(tmp_path):
+    """`v4launch run` checks before preparing data or creating the run: exit 2, the error once, no run left
+    behind to become the workspace's newest run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / ".v4launch").mkdir()
+    exe = str(Path(sys.executable).with_name("v4launch"))
+    env = dict(os.environ, CXX="/no/such/c++", COLUMNS="200")
+    out = subprocess.run([exe, "run", "tiny_cpu", "compile.enable=true", "--max-steps", "1", "--no-progress"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    text = " ".join(out.stderr.split())
+    assert out.returncode == 2, out.stderr
+    assert text.count("found no C++ compiler") == 1 and "compile.backend=aot_eager" in text
+    assert "Traceback" not in out.stderr and not (tmp_path / "runs").exists()

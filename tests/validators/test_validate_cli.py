@@ -53,6 +53,19 @@ def test_a_whole_recipe_fix_is_printed_once_and_referred_to_under_later_stages(i
     assert out.count("cluster.nodes=64 parallel.ep=128") == 1
 
 
+def test_a_fix_is_one_unwrapped_line_and_per_stage_figures_follow_a_reference(in_tmp: Path):
+    """A fix is pasted into a shell: it must not be broken across lines at the console width (flash_4n's
+    whole fix is ~330 characters). The same edits with this stage's own figures refer to the first."""
+    _, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    (line,) = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY: fix: set ")]
+    assert "cluster.nodes=8" in line and "curriculum.stages.5.cp=64" in line and line.endswith("8 is the fewest")
+    _, out, _, _ = invoke(["validate", str(RECIPES / "flash_8n.yaml"), "parallel.recompute_granularity=none"])
+    arrows = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY")]
+    assert arrows[0].startswith("  → V4-MEMORY: fix: set parallel.recompute_granularity=full")
+    later = [x for x in arrows[1:] if "the same edits as under stage 0 dense_64k (above) (" in x]
+    assert later and all(x.rstrip().endswith("GiB)") for x in later), arrows
+
+
 def test_warning_only_exits_0(in_tmp: Path):
     path = write_recipe(in_tmp, base())
     code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])

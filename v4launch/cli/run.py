@@ -58,8 +58,14 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     loaded = load_recipe(path, extra)
     for warning in check_recipe(loaded):
         OUT.note(f"warning: {warning}")
-    ws.remember(recipe=str(path))
+    ws.remember(recipe=str(loaded.path))
     r = loaded.recipe
+    if r.compile.enable:  # before data and a run directory exist (the job checks again where it runs)
+        import torch
+
+        from ..training.runner import refuse_missing_toolchain
+
+        refuse_missing_toolchain(r.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import V4LaunchError
+from ..errors import UsageError, V4LaunchError
 from .common import OUT, JsonOpt, OverridesArg
 
 HELP = ("Validate RECIPE, freeze it and the code revision into a new run directory, and submit it to "
@@ -58,6 +58,11 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
         path = ws.default_recipe()
         OUT.note(f"recipe: {path} (the workspace's recipe)")
     if nodes is not None:
+        given = [o for o in extra if o.replace(" ", "").startswith("cluster.nodes=")]
+        if any(o.split("=", 1)[1].strip() != str(nodes) for o in given):
+            raise UsageError(f"--nodes {nodes} and the override {given[-1]} disagree",
+                             hint=f"give the node count once: drop --nodes to keep {given[-1]} (e.g. a fix pasted "
+                                  f"from `v4launch validate`), or drop {given[-1]}")
         extra.append(f"cluster.nodes={nodes}")
     loaded = load_recipe(path, extra)
     for warning in check_recipe(loaded):
@@ -75,7 +80,7 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     except V4LaunchError:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: do not leave an empty run behind
         raise
-    ws.remember(recipe=str(path))
+    ws.remember(recipe=str(loaded.path))
     if json_out:
         OUT.json({"run_dir": str(run_dir), "job_id": job_id, "recipe": str(path), "git_sha": rev.sha,
                   "dirty": rev.dirty})

@@ -122,18 +122,24 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
     return table
 
 
-def _block(con: Any, results: tuple[RuleResult, ...], where: str, shown: dict[tuple[str, str], str]) -> None:
-    """One group's table, then the fix of each failed or warned rule on its own line. A fix already
-    printed for an earlier group (``shown``: (rule, fix) -> that group's name; a whole-recipe fix is
-    the same under every stage) is referred to, not repeated."""
+def _block(con: Any, results: tuple[RuleResult, ...], where: str,
+           shown: dict[tuple[str, str], tuple[str, str]]) -> None:
+    """One group's table, then the fix of each failed or warned rule on its own line, unwrapped (pasted
+    whole). A fix whose edits were printed for an earlier group (``shown``: (rule, edits) -> (that
+    group's name, its fix); a whole-recipe fix is the same under every stage) is referred to, with this
+    group's own figures when they differ."""
     con.print(_table(results))
     for v in (v for r in results for v in r.violations):
         head = Text("  → ", style="cyan") + Text(f"{v.rule_id}: ", style="bold")
-        first = shown.setdefault((v.rule_id, v.fix), where)
+        edits, _, figures = v.fix.partition(" (") if v.fix.startswith("set ") else (v.fix, "", "")
+        first, first_fix = shown.setdefault((v.rule_id, edits), (where, v.fix))
         if first == where:
-            con.print(head + Text(f"fix: {v.fix}", style="cyan"))
-        else:
-            con.print(head + Text(f"fix: the same as under {first} (above)", style="cyan"))
+            text = f"fix: {v.fix}"
+        elif v.fix == first_fix or not figures:
+            text = f"fix: the same as under {first} (above)"
+        else:  # the same edits, this stage's own figures (e.g. the GiB it then needs)
+            text = f"fix: the same edits as under {first} (above) ({figures}"
+        con.print(head + Text(text, style="cyan"), soft_wrap=True)  # one line however wide: a fix is pasted whole
 
 
 def _stage_lines(stage: StageResult) -> Text:
@@ -154,7 +160,7 @@ def _stage_lines(stage: StageResult) -> Text:
         parts.append(f"PP GFLOP/token {costs} (max/mean {d['pp_balance']:.3f})")
     mem = d.get("memory")
     if mem and mem["budget_bytes"]:
-        parts.append(f"memory {_gib(mem['total_bytes'])} of {_gib(mem['budget_bytes'])} GiB per GPU (pp rank "
+        parts.append(f"memory {_gib(mem['total_bytes'])} GiB per GPU, budget {_gib(mem['budget_bytes'])} (pp rank "
                      f"{mem['pp_rank']})")
     return head + Text("\n  " + " · ".join(parts), style="dim")
 
@@ -211,7 +217,7 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
     if recipe.description:
         con.print(Text(recipe.description, style="dim"))
     con.print("\n[bold]recipe-wide rules[/bold]")
-    shown: dict[tuple[str, str], str] = {}
+    shown: dict[tuple[str, str], tuple[str, str]] = {}
     _block(con, report.recipe_results, "the recipe-wide rules", shown)
     for stage in report.stages:
         con.print()
@@ -222,6 +228,10 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
         con.print("\n[bold]memory plan[/bold] (per GPU, on the pipeline rank that needs the most; "
                   "`v4launch explain V4-MEMORY`)")
         con.print(table)
+        if recipe.parallel.recompute_granularity == "full":
+            con.print(Text("whole-layer recompute: a layer's compressed KV, CP boundary rows and top-k exist only while "
+                           "backward re-runs it, so they are counted in backward transients (their own rows read 0)",
+                           style="dim"))
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
     con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "

@@ -61,13 +61,14 @@ def load_recipe(path: Path | str, overrides: Sequence[str] = ()) -> Any:
         RecipeError: unreadable file or schema mismatch (exit 2).
     """
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist", hint="name an existing YAML file, e.g. recipes/tiny_cpu.yaml")
     try:
         from ..recipe_loading import load_recipe as project_load  # type: ignore[attr-defined]
     except ImportError:
+        if not path.is_file():
+            raise RecipeError(f"recipe {path} does not exist",
+                              hint="name an existing YAML file, e.g. recipes/tiny_cpu.yaml") from None
         return _fallback_load(path, overrides)
-    return project_load(path, list(overrides))
+    return project_load(path, list(overrides))  # a path, or a shipped recipe's name (as `validate` takes)
 
 
 def _stage_label(names: list[str]) -> str:

@@ -34,6 +34,20 @@ from .state import (Progress, progress_from, progress_state, rng_state, seed_eve
 from .step import autocast_for, evaluate, loss_weights, train_step
 
 
+def refuse_missing_toolchain(backend: str | None, device: torch.device) -> None:
+    """Stop before any training when ``compile.backend`` cannot generate code on ``device`` (inductor on a
+    CPU without a C++ compiler: ``model.compile.toolchain_problem``). ``backend`` None: nothing is compiled.
+
+    Raises:
+        UsageError: with the field, the reason and the fix.
+    """
+    problem = None if backend is None else toolchain_problem(backend, device)
+    if problem is not None:
+        raise UsageError(f"compile.backend = {backend} on {device.type}: {problem}",
+                         hint="fix: compile.backend=aot_eager (checks the tracing, no speed-up), or "
+                              "compile.enable=false, or install g++ (or point $CXX at a C++ compiler)")
+
+
 class Runner:
     """Everything one rank holds while training a run. Built ready to continue where the run is."""
 
@@ -46,12 +60,7 @@ class Runner:
                                  distributed_optimizer=par.distributed_optimizer,
                                  recompute=tuple(recompute_names(self.recipe)),
                                  compile_backend=self.recipe.compile.backend if self.recipe.compile.enable else None)
-        if self.dims.compile_backend is not None:
-            problem = toolchain_problem(self.dims.compile_backend, info.device)
-            if problem is not None:
-                raise UsageError(f"compile.backend = {self.dims.compile_backend} on {info.device}: {problem}",
-                                 hint="fix: compile.backend=aot_eager (checks the tracing, no speed-up), or "
-                                      "compile.enable=false, or install g++ (or point $CXX at a C++ compiler)")
+        refuse_missing_toolchain(self.dims.compile_backend, info.device)  # again on the node that runs it
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
         self.schedule = LRSchedule(self.recipe.optimizer, self.plans)
