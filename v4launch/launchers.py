@@ -412,8 +412,11 @@ class LocalLauncher(Launcher):
         launch = read_launch(run_dir)
         pids = [p for p in launch.get("pids", []) if _alive(p)] if launch.get("state") == RUNNING else []
         if not pids:
-            raise RefusedError(f"run {Path(run_dir).name} is not running (state: {launch.get('state', 'not launched')})",
-                               hint=f"resume it with `v4launch resume {run_dir}`")
+            state = launch.get("state", "not launched")
+            done = state == "completed"
+            raise RefusedError(f"run {Path(run_dir).name} is not running (state: {state}): nothing to cancel",
+                               hint=(f"it finished its curriculum; `v4launch status {run_dir}` shows it" if done else
+                                     f"continue it with `v4launch resume {run_dir}`"))
         record_launch(run_dir, cancel_requested=True)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)

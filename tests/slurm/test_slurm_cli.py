@@ -154,7 +154,13 @@ def test_status_logs_cancel_on_a_local_run(ws, monkeypatch):
     assert status.returncode == 0 and "not launched" in status.stdout and "(local)" in status.stdout
     assert cli("logs", str(run_dir), cwd=ws).returncode == 0
     cancel = cli("cancel", run_dir.name, cwd=ws)
-    assert cancel.returncode == 1 and "not running" in cancel.stderr
+    assert cancel.returncode == 1 and "not running" in cancel.stderr and "v4launch resume" in cancel.stderr
+    from v4launch.launchers import record_launch
+
+    record_launch(run_dir, state="completed")  # a finished run: nothing to resume either, so no resume hint
+    done = cli("cancel", run_dir.name, cwd=ws)
+    text = " ".join(done.stderr.split())
+    assert done.returncode == 1 and "(state: completed): nothing to cancel" in text and "resume" not in text
 
 
 def test_status_without_runs_is_a_usage_error(ws):
