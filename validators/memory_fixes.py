@@ -25,6 +25,8 @@ never proposed. Sizes are searched over divisors only, so an absurd world size c
 
 from __future__ import annotations
 
+import contextvars
+
 import shlex
 from dataclasses import dataclass
 from math import gcd
@@ -119,11 +121,28 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+_SEARCHING: contextvars.ContextVar[bool] = contextvars.ContextVar("memory_fix_search", default=False)
+
+
+def searching() -> bool:
+    """True while :func:`contract_failures` checks a candidate recipe: a rule whose fix text itself runs a
+    fix search (V4-EP-FOLD's) gives its plain fix then, so the search never nests."""
+    return _SEARCHING.get()
+
+
 def contract_failures(recipe: Recipe, skip: tuple[str, ...] = ("V4-MEMORY",)) -> list[str]:
     """The ids of the error rules (other than ``skip``) that ``recipe`` fails, in registry order.
 
     A rule that raises counts as failed (the report shows such a crash as a failure too).
     """
+    token = _SEARCHING.set(True)
+    try:
+        return _contract_failures(recipe, skip)
+    finally:
+        _SEARCHING.reset(token)
+
+
+def _contract_failures(recipe: Recipe, skip: tuple[str, ...]) -> list[str]:
     from .rules import RULES
     from .rules.base import Context, Finding
 

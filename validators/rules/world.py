@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from math import gcd
 
-from ..memory_fixes import divisors
+from ..memory_fixes import divisors, searching
 from .base import Context, rule
 
 
@@ -52,10 +52,32 @@ def check_ep_fold(ctx: Context):
         experts = ctx.model.moe.n_routed_experts
         common = divisors(gcd(fold, experts))  # fold = world / (tp·pp), the same in every stage
         best = max((d for d in common if d <= ep), default=max(common))
+        fix = (f"set parallel.ep={best} (the largest ep up to {ep} that divides dp·cp = {fold}, the same "
+               f"in every stage, and the {experts} routed experts)")
         return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}",
-                           f"set parallel.ep={best} (the largest ep up to {ep} that divides dp·cp = {fold}, the same "
-                           f"in every stage, and the {experts} routed experts)")
+                           fix if searching() else (_memory_whole_fix(ctx.recipe, best) or fix))
     return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
+
+
+def _memory_whole_fix(recipe, ep: int) -> str | None:
+    """When ``parallel.ep=ep`` folds but then no longer fits the memory plan (V4-MEMORY would send the user to
+    another layout), the memory rule's whole-recipe fix instead; None when ``ep`` fits or nothing is planned
+    (a CPU target, a plan that cannot be made)."""
+    from ..memory_fixes import whole_recipe_fit, with_edits
+    from ..memory_plan import PlanUnavailable, memory_plan
+
+    edited = with_edits(recipe, {"parallel.ep": ep})
+    try:
+        if all(memory_plan(edited, i).fits is not False for i in range(len(recipe.curriculum.stages))):
+            return None
+    except (PlanUnavailable, ValueError, ZeroDivisionError):
+        return None
+    whole = whole_recipe_fit(recipe)
+    if whole is None:
+        return None
+    return (f"set {whole.edits_text()} (an ep of {ep} alone would fold over dp·cp but not fit the memory plan "
+            f"(V4-MEMORY); with these edits every stage fits, at most {whole.plan.total_bytes / 2**30:.1f} GiB, "
+            "and no other rule fails)")
 
 
 @rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size",
