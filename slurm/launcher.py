@@ -170,8 +170,10 @@ class SlurmLauncher(Launcher):
         """
         live = self.live_jobs(run_dir)
         if not live:
-            raise RefusedError(f"run {Path(run_dir).name} has no queued or running Slurm job",
-                               hint=f"see `v4launch status {run_dir}`; continue it with `v4launch resume {run_dir}`")
+            done = self.status(run_dir).state == "completed"
+            raise RefusedError(f"run {Path(run_dir).name} has no queued or running Slurm job: nothing to cancel",
+                               hint=(f"it finished its curriculum; `v4launch status {run_dir}` shows it" if done else
+                                     f"see `v4launch status {run_dir}`; continue it with `v4launch resume {run_dir}`"))
         for job_id in live:  # recorded first: the job reads it when its SIGTERM arrives
             ledger.append(run_dir, job_id, "cancel", detail="v4launch cancel")
         error = query.cancel(live)

@@ -248,8 +248,8 @@ def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
     """One set of edits under which every curriculum stage fits and no other error rule fails, else None.
 
     Search order (the first that works is returned): the recipe's nodes, then 2, 4, … ``MAX_NODE_SCALE`` times
-    as many; at each, the recipe's pp first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model
-    when pp changes); the largest ep dividing the experts and the pipeline rank's ranks (fewest experts per
+    as many, then the powers of two above the recipe's nodes (:func:`_node_counts`); at each, the recipe's pp
+    first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model when pp changes); the largest ep dividing the experts and the pipeline rank's ranks (fewest experts per
     GPU); the distributed optimizer and whole-layer recompute; per stage the smallest cp that fits (the
     most data parallelism); the global batches doubled until every stage splits them over its dp into
     enough micro-batches for the schedule. ``Proposal.plan`` is the plan of the stage that needs the most.
@@ -261,15 +261,23 @@ def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
     if len(_WHOLE_CACHE) > 8:
         _WHOLE_CACHE.clear()
     found = None
-    scale = 1
-    while found is None and scale <= MAX_NODE_SCALE:
-        for pp in _pp_candidates(recipe, recipe.cluster.nodes * scale):
-            found = _whole_fit_at(recipe, recipe.cluster.nodes * scale, pp)
+    for nodes in _node_counts(recipe.cluster.nodes):
+        for pp in _pp_candidates(recipe, nodes):
+            found = _whole_fit_at(recipe, nodes, pp)
             if found is not None:
                 break
-        scale *= 2
+        if found is not None:
+            break
     _WHOLE_CACHE[id(recipe)] = (recipe, found)
     return found
+
+
+def _node_counts(nodes: int) -> list[int]:
+    """Node counts the whole-recipe search tries, in order: ``nodes`` times 1, 2, 4 … ``MAX_NODE_SCALE``, then the
+    powers of two from ``nodes`` up to that bound (6 nodes cannot split a 64-way CP stage at any doubling; 8 can)."""
+    scaled = [nodes * 2 ** i for i in range(MAX_NODE_SCALE.bit_length()) if 2 ** i <= MAX_NODE_SCALE]
+    powers = [2 ** i for i in range((nodes * MAX_NODE_SCALE).bit_length()) if nodes < 2 ** i <= nodes * MAX_NODE_SCALE]
+    return scaled + [n for n in powers if n not in scaled]
 
 
 def _pp_candidates(recipe: Recipe, nodes: int) -> list[int]:

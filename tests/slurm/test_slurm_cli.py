@@ -82,6 +82,8 @@ def test_nodes_flag_and_a_pasted_cluster_nodes_edit_that_disagree_are_refused(ws
     assert "Traceback" not in out.stderr and not (ws / "runs").exists()
     same = cli("submit", TINY, "--nodes", "1", "cluster.nodes=1", "--dry-run", cwd=ws)
     assert same.returncode == 0, same.stderr
+    pasted = cli("submit", TINY, "cluster.nodes=4", "cluster.nodes=1", "--nodes", "1", "--dry-run", cwd=ws)
+    assert pasted.returncode == 0, pasted.stderr  # the override that applies (the last) agrees with --nodes
 
 
 def test_contract_violation_refuses_with_rule_ids(ws):

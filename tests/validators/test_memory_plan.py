@@ -153,16 +153,18 @@ def test_whole_layer_recompute_keeps_the_layer_inputs_and_re_runs_one_layer():
     assert full.allocated_bytes < plain.allocated_bytes
 
 
-def test_ep_fold_fix_does_not_send_the_user_to_a_layout_the_memory_plan_refuses():
+@pytest.mark.parametrize("nodes,folding_ep", [(4, 32), (6, 16)])
+def test_ep_fold_fix_does_not_send_the_user_to_a_layout_the_memory_plan_refuses(nodes, folding_ep):
     """flash_8n on 4 nodes: ep=64 no longer folds over dp·cp = 32. ep=32 would fold but not fit, and V4-MEMORY
     then proposed 8 nodes and ep=64 (the first fix undone). The EP-FOLD fix is now the memory rule's whole
-    fix, and applied it validates clean; on a CPU target (no memory budget) the plain ep fix stays."""
-    report = validate_file(RECIPES / "flash_8n.yaml", ["cluster.nodes=4"])
+    fix, and applied it validates clean; on 6 nodes no doubling splits the 64-way CP stage and the search
+    goes on to the powers of two (8). On a CPU target (no memory budget) the plain ep fix stays."""
+    report = validate_file(RECIPES / "flash_8n.yaml", [f"cluster.nodes={nodes}"])
     fold = [v for v in report.violations if v.rule_id == "V4-EP-FOLD"]
-    assert fold and all("an ep of 32 alone would fold" in v.fix for v in fold), [v.fix for v in fold]
+    assert fold and all(f"an ep of {folding_ep} alone would fold" in v.fix for v in fold), [v.fix for v in fold]
     edits = proposed_edits(fold[0].fix)
     assert "cluster.nodes=8" in edits
-    assert validate_file(RECIPES / "flash_8n.yaml", ["cluster.nodes=4", *edits]).ok
+    assert validate_file(RECIPES / "flash_8n.yaml", [f"cluster.nodes={nodes}", *edits]).ok
     debug = validate_file(RECIPES / "flash_debug.yaml", ["parallel.ep=4"])
     (plain,) = {v.fix for v in debug.violations if v.rule_id == "V4-EP-FOLD"}
     assert plain.startswith("set parallel.ep=2 (the largest ep up to 4")

@@ -59,7 +59,8 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
         OUT.note(f"recipe: {path} (the workspace's recipe)")
     if nodes is not None:
         given = [o for o in extra if o.replace(" ", "").startswith("cluster.nodes=")]
-        if any(o.split("=", 1)[1].strip() != str(nodes) for o in given):
+        last = given[-1].split("=", 1)[1].strip() if given else None  # the override that would apply
+        if last is not None and last.isdigit() and int(last) != nodes:
             raise UsageError(f"--nodes {nodes} and the override {given[-1]} disagree",
                              hint=f"give the node count once: drop --nodes to keep {given[-1]} (e.g. a fix pasted "
                                   f"from `v4launch validate`), or drop {given[-1]}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -43,9 +44,11 @@ def refuse_missing_toolchain(backend: str | None, device: torch.device) -> None:
     """
     problem = None if backend is None else toolchain_problem(backend, device)
     if problem is not None:
+        cxx = os.environ.get("CXX")
         raise UsageError(f"compile.backend = {backend} on {device.type}: {problem}",
                          hint="fix: compile.backend=aot_eager (checks the tracing, no speed-up), or "
-                              "compile.enable=false, or install g++ (or point $CXX at a C++ compiler)")
+                              "compile.enable=false, or " + (f"point $CXX (now {cxx!r}) at a C++ compiler" if cxx
+                                                            else "install g++ (or point $CXX at a C++ compiler)"))
 
 
 class Runner:

@@ -55,26 +55,26 @@ def check_ep_fold(ctx: Context):
         fix = (f"set parallel.ep={best} (the largest ep up to {ep} that divides dp·cp = {fold}, the same "
                f"in every stage, and the {experts} routed experts)")
         return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}",
-                           fix if searching() else (_memory_whole_fix(ctx.recipe, best) or fix))
+                           fix if searching() else _memory_whole_fix(ctx.recipe, best, fix))
     return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
 
 
-def _memory_whole_fix(recipe, ep: int) -> str | None:
-    """When ``parallel.ep=ep`` folds but then no longer fits the memory plan (V4-MEMORY would send the user to
-    another layout), the memory rule's whole-recipe fix instead; None when ``ep`` fits or nothing is planned
-    (a CPU target, a plan that cannot be made)."""
+def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
+    """``plain`` (set ep) when ``parallel.ep=ep`` also fits the memory plan or nothing is planned (a CPU target,
+    a plan that cannot be made). When it folds but does not fit (V4-MEMORY would send the user to another
+    layout): the memory rule's whole-recipe fix, or ``plain`` saying that no layout fits."""
     from ..memory_fixes import whole_recipe_fit, with_edits
     from ..memory_plan import PlanUnavailable, memory_plan
 
     edited = with_edits(recipe, {"parallel.ep": ep})
     try:
         if all(memory_plan(edited, i).fits is not False for i in range(len(recipe.curriculum.stages))):
-            return None
+            return plain
     except (PlanUnavailable, ValueError, ZeroDivisionError):
-        return None
+        return plain
     whole = whole_recipe_fit(recipe)
     if whole is None:
-        return None
+        return plain + "; but then the memory plan does not fit, nor does any layout the search tries (V4-MEMORY)"
     return (f"set {whole.edits_text()} (an ep of {ep} alone would fold over dp·cp but not fit the memory plan "
             f"(V4-MEMORY); with these edits every stage fits, at most {whole.plan.total_bytes / 2**30:.1f} GiB, "
             "and no other rule fails)")
