@@ -9,7 +9,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 read -r S0 S1 S2 <<< "${STEPS:-80 20 100}"
 SEQ=${SEQ:-4096}
-COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.stages.2.steps=$S2 logging.interval_steps=10"
+COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.stages.2.steps=$S2 logging.interval_steps=1"
 for i in 0 1 2; do COMMON="$COMMON curriculum.stages.$i.seq_len=$SEQ"; done
 run() {  # name, overrides...
     local name=$1; shift
