@@ -42,11 +42,15 @@ def read_metrics(path: Path) -> tuple[dict[int, dict], list[dict]]:
             if number == len(lines):
                 continue
             raise ValueError(f"{file}:{number}: not a JSON line (is it a run's metrics.jsonl?)") from None
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        if kind in ("train", "eval") and not (isinstance(rec.get("step"), int)
+                                              and isinstance(rec.get("lm_loss"), (int, float))):
+            raise ValueError(f"{file}:{number}: a {kind} record without an integer step and a number lm_loss")
         if not isinstance(rec, dict):
             raise ValueError(f"{file}:{number}: not a metrics record")
-        if rec.get("kind") == "train":
-            train[int(rec["step"])] = rec  # a resumed run repeats steps: the last record wins
-        elif rec.get("kind") == "eval":
+        if kind == "train":
+            train[rec["step"]] = rec  # a resumed run repeats steps: the last record wins
+        elif kind == "eval":
             evals.append(rec)
     return train, evals
 

@@ -10,7 +10,8 @@ Graph breaks remain where a block leaves tensor land, so the default is ``fullgr
 pieces between them (norms, mHC, RoPE, SwiGLU, router, casts) become fused kernels:
 
 * the Triton attention kernels: their entry points (``kernels.triton_attention.sparse_sink_attention``,
-  ``head_avg_probs``, ``kernels.triton_indexer.indexer_topk``) are ``torch.compiler.disable``d, so
+  ``head_avg_probs``, ``kernels.triton_indexer.indexer_topk``, ``kernels.triton_student.student_scores``)
+  are ``torch.compiler.disable``d, so
   dynamo never traces into a kernel (traced, Triton refused the kernel: a Python float argument
   became fp64) and the block's graph splits around each call;
 * host-side ranges (the reference attention's chunks, the indexer's row ranges), and the

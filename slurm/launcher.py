@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import RefusedError
-from ..launchers import LaunchInfo, Launcher, RunStatus, follow_files, last_metrics, latest_checkpoint_path
+from ..launchers import (LaunchInfo, Launcher, RunStatus, follow_files, last_metrics, latest_checkpoint_path,
+                         nothing_to_cancel)
 from . import ledger, query
 from .render import SUBMITIT_DIR
 from .states import job_state, run_state
@@ -170,10 +171,7 @@ class SlurmLauncher(Launcher):
         """
         live = self.live_jobs(run_dir)
         if not live:
-            done = self.status(run_dir).state == "completed"
-            raise RefusedError(f"run {Path(run_dir).name} has no queued or running Slurm job: nothing to cancel",
-                               hint=(f"it finished its curriculum; `v4launch status {run_dir}` shows it" if done else
-                                     f"see `v4launch status {run_dir}`; continue it with `v4launch resume {run_dir}`"))
+            raise nothing_to_cancel(run_dir, "has no queued or running Slurm job", self.status(run_dir).state)
         for job_id in live:  # recorded first: the job reads it when its SIGTERM arrives
             ledger.append(run_dir, job_id, "cancel", detail="v4launch cancel")
         error = query.cancel(live)

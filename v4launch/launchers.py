@@ -146,6 +146,14 @@ def latest_checkpoint_path(run_dir: Path) -> Path | None:
     return latest_checkpoint(RunPaths(Path(run_dir)).checkpoints)
 
 
+def nothing_to_cancel(run_dir: Path, what: str, state: str) -> RefusedError:
+    """The refusal of ``cancel`` for a run with nothing live (``what``: e.g. "is not running (state: …)"):
+    a run that finished its curriculum is pointed at ``status``, any other at ``resume``."""
+    hint = (f"it finished its curriculum; `v4launch status {run_dir}` shows it" if state == "completed" else
+            f"see `v4launch status {run_dir}`; continue it with `v4launch resume {run_dir}`")
+    return RefusedError(f"run {Path(run_dir).name} {what}: nothing to cancel", hint=hint)
+
+
 def files_status(run_dir: Path, launcher: str, state: str, detail: dict[str, Any]) -> RunStatus:
     """A RunStatus filled from the run directory's files (metrics and checkpoints).
 
@@ -413,10 +421,7 @@ class LocalLauncher(Launcher):
         pids = [p for p in launch.get("pids", []) if _alive(p)] if launch.get("state") == RUNNING else []
         if not pids:
             state = launch.get("state", "not launched")
-            done = state == "completed"
-            raise RefusedError(f"run {Path(run_dir).name} is not running (state: {state}): nothing to cancel",
-                               hint=(f"it finished its curriculum; `v4launch status {run_dir}` shows it" if done else
-                                     f"continue it with `v4launch resume {run_dir}`"))
+            raise nothing_to_cancel(run_dir, f"is not running (state: {state})", state)
         record_launch(run_dir, cancel_requested=True)
         for pid in pids:
             os.kill(pid, signal.SIGTERM)

@@ -26,7 +26,6 @@ never proposed. Sizes are searched over divisors only, so an absurd world size c
 from __future__ import annotations
 
 import contextvars
-
 import shlex
 from dataclasses import dataclass
 from math import gcd
@@ -249,8 +248,8 @@ def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
 
     Search order (the first that works is returned): the recipe's nodes, then 2, 4, … ``MAX_NODE_SCALE`` times
     as many, then the powers of two above the recipe's nodes (:func:`_node_counts`); at each, the recipe's pp
-    first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model when pp changes); the largest ep dividing the experts and the pipeline rank's ranks (fewest experts per
-    GPU); the distributed optimizer and whole-layer recompute; per stage the smallest cp that fits (the
+    first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model when pp changes); the largest ep
+    dividing the experts and the pipeline rank's ranks (fewest experts per GPU); the distributed optimizer and whole-layer recompute; per stage the smallest cp that fits (the
     most data parallelism); the global batches doubled until every stage splits them over its dp into
     enough micro-batches for the schedule. ``Proposal.plan`` is the plan of the stage that needs the most.
     Cached per recipe object (every failing stage of one validate run shares the answer).

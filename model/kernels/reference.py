@@ -147,7 +147,6 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: to
     return out
 
 
-
 def _score_at(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Indexer scores at selected entries: q [R, HI, dI], w [R, HI], keys [C, dI], sel [R, K] (-1 ok)."""
     acc = acc_dtype(q.dtype)  # float32 like Indexer.score_at: the KL gradient (p_s - p_t) is sensitive to it

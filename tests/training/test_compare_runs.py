@@ -76,6 +76,10 @@ def test_unusable_input_exits_2_with_the_reason(tmp_path: Path):
     broken.write_text('{"kind": "train", "step": 1, "lm_loss": 3.0}\nname: a recipe\n{"kind": "train"}\n')
     bad = _compare(ref, broken)
     assert bad.returncode == 2 and "broken.jsonl:2: not a JSON line" in bad.stderr and "Traceback" not in bad.stderr
+    keyless = tmp_path / "keyless.jsonl"
+    keyless.write_text('{"kind": "train", "step": 1, "lm_loss": 3.0}\n{"kind": "train", "step": 2}\n{"kind": "event"}\n')
+    missing_key = _compare(ref, keyless)
+    assert missing_key.returncode == 2 and "keyless.jsonl:2: a train record without" in missing_key.stderr
     cut = tmp_path / "cut.jsonl"  # a run killed while writing its last line: that line is skipped
     cut.write_text('{"kind": "train", "step": 1, "lm_loss": 3.0}\n{"kind": "train", "step": 2, "lm_loss": 2.9}\n{"kind": "tr')
     assert _compare(ref, cut, "--min-steps", "2").returncode == 0
