@@ -10,10 +10,11 @@ for the backward.
 
 * forward: per chunk, the logits (a bf16 tensor-core GEMM with float32 accumulation and output
   for bf16 inputs, ``matmul.project``; the plain product for float32 / float64), their float32
-  log-sum-exp and the target logit. Kept for the backward: hidden, weight, labels and the
+  log-sum-exp and the target logit (``Backend.logsumexp_target``: one Triton pass over the chunk on
+  SM90, ``kernels/triton_cross_entropy.py``; PyTorch elsewhere). Kept for the backward: hidden, weight, labels and the
   log-sum-exp per row ([T] float32) -- O(T) besides the inputs.
 * backward (custom autograd, recomputing each chunk's logits): ``dz = g (softmax(z) - onehot)``
-  on valid rows, ``d hidden = dz @ weight``, ``d weight += dz.T @ hidden`` (float32 accumulator
+  on valid rows (``Backend.softmax_grad``), ``d hidden = dz @ weight``, ``d weight += dz.T @ hidden`` (float32 accumulator
   for a float32 weight). Transient memory O(chunk_rows x vocab).
 
 Math: the softmax cross entropy and its gradient ``softmax - onehot`` (any textbook; the same
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import acc_dtype
+from .kernels import reference
+from .kernels.dispatch import Backend
 from .matmul import LOW_PRECISION, low_dtype, mm_wide, project
 
 IGNORE = -100
@@ -67,19 +70,16 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
-                low: torch.dtype | None) -> torch.Tensor:
+                low: torch.dtype | None, rows) -> torch.Tensor:
         h, w, acc = _operands(hidden, weight, low)
         lse = torch.empty(h.shape[0], dtype=acc, device=h.device)
         total = torch.zeros((), dtype=acc, device=h.device)
         for i in range(0, h.shape[0], chunk):
             z = _chunk_logits(h[i:i + chunk], w, acc)  # [R, V]
-            lab = labels[i:i + chunk]
-            valid = lab != IGNORE
-            lse[i:i + chunk] = torch.logsumexp(z, dim=-1)
-            target = z.gather(1, torch.where(valid, lab, 0)[:, None]).squeeze(1)
-            total = total + torch.where(valid, lse[i:i + chunk] - target, 0.0).sum()
+            lse[i:i + chunk], loss = rows.logsumexp_target(z, labels[i:i + chunk])
+            total = total + loss.sum()
         ctx.save_for_backward(h, w, labels, lse)
-        ctx.chunk, ctx.h_dtype, ctx.w_dtype = chunk, hidden.dtype, weight.dtype
+        ctx.chunk, ctx.h_dtype, ctx.w_dtype, ctx.rows = chunk, hidden.dtype, weight.dtype, rows
         return total
 
     @staticmethod
@@ -92,16 +92,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
                          device=w.device) if need_w else None
         for i in range(0, h.shape[0], ctx.chunk):
             hc, lab = h[i:i + ctx.chunk], labels[i:i + ctx.chunk]
-            valid = lab != IGNORE
-            dz = torch.exp(_chunk_logits(hc, w, acc) - lse[i:i + ctx.chunk, None])  # softmax [R, V]
-            dz.scatter_add_(1, torch.where(valid, lab, 0)[:, None], -torch.ones_like(dz[:, :1]))
-            dz = dz * (g * valid).to(acc)[:, None]
-            dz = dz.to(h.dtype)  # the GEMM operand dtype (bf16 for a bf16 model)
+            scale = (g * (lab != IGNORE)).to(acc)
+            # g (softmax - onehot) [R, V] in the GEMM operand dtype (bf16 for a bf16 model)
+            dz = ctx.rows.softmax_grad(_chunk_logits(hc, w, acc), lse[i:i + ctx.chunk], lab, scale, h.dtype)
             if need_h:
                 dh[i:i + ctx.chunk] = _wide_or_plain(dz, w, ctx.h_dtype)
             if need_w:
                 dw += _wide_or_plain(dz.t(), hc, dw.dtype)
-        return dh, (dw.to(ctx.w_dtype) if need_w else None), None, None, None
+        return dh, (dw.to(ctx.w_dtype) if need_w else None), None, None, None, None
 
 
 def _wide_or_plain(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -109,7 +107,7 @@ def _wide_or_plain(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> 
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                       chunk_rows: int | None = None) -> torch.Tensor:
+                       chunk_rows: int | None = None, kernels: Backend | None = None) -> torch.Tensor:
     """Summed cross entropy of the logits ``hidden @ weight.T`` over rows with a label != -100.
 
     Args:
@@ -117,6 +115,9 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         weight: [V, d] head weight.
         labels: [T] int64 targets in [0, V) or -100 (ignored).
         chunk_rows: rows per chunk (default :func:`chunk_rows_for` (V)); memory O(chunk_rows x V).
+        kernels: the attention backend whose ``logsumexp_target`` / ``softmax_grad`` run the per-chunk row
+            passes (the Triton kernels on SM90: one pass over each float32 chunk instead of ~5); None: the
+            PyTorch formulation (``kernels.reference``).
     Returns:
         0-d sum in float32 (float64 for float64 hidden); 0 when no row is valid. Gradients flow to
         hidden and weight (recomputed per chunk in the backward).
@@ -132,7 +133,7 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
         raise ValueError(f"chunk_rows={chunk}: must be >= 1. Fix: pass a positive row count or None.")
     low = low_dtype(hidden)  # read before autocast is switched off for the custom function
     with torch.autocast(hidden.device.type, enabled=False):
-        return _ChunkedHeadCE.apply(hidden, weight, labels, chunk, low)
+        return _ChunkedHeadCE.apply(hidden, weight, labels, chunk, low, kernels or reference)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class HeadLogits:
 
     hidden: torch.Tensor
     weight: torch.Tensor
+    kernels: Backend | None = None
 
     def materialize(self) -> torch.Tensor:
         """Logits [T, V] in float32 (float64 for a float64 model), via ``matmul.project``."""
@@ -154,4 +156,4 @@ class HeadLogits:
         """Summed cross entropy over labels != -100 (:func:`head_cross_entropy`)."""
         if not _FUSED["on"]:
             return F.cross_entropy(self.materialize(), labels, ignore_index=IGNORE, reduction="sum")
-        return head_cross_entropy(self.hidden, self.weight, labels, chunk_rows)
+        return head_cross_entropy(self.hidden, self.weight, labels, chunk_rows, self.kernels)

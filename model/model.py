@@ -285,8 +285,9 @@ class V4Model(FP32Pinned):
 
     def _logits(self, hidden: torch.Tensor) -> HeadLogits:
         """The head on ``hidden`` [T, dim], lazily: ``_ce`` fuses it with the loss in row chunks
-        (no [T, vocab] product); ``.materialize()`` gives the logits [T, vocab] (acc dtype)."""
-        return HeadLogits(hidden, self.head.weight)
+        (no [T, vocab] product; the row passes on the fused backend's kernels when there is one);
+        ``.materialize()`` gives the logits [T, vocab] (acc dtype)."""
+        return HeadLogits(hidden, self.head.weight, self._kernels(hidden.device))
 
     def batch_context(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                       labels: Optional[torch.Tensor] = None) -> BatchContext:

@@ -40,6 +40,9 @@ class Backend:
     head_avg_probs(q, kv, idx, scale) -> [T, K] float: the sparse-phase KL teacher.
     student_scores(q [T,HI,dI], w [T,HI], keys [C,dI], sel [T,K]) -> [T, K] float32: the sparse-phase KL
         student (indexer scores at the selection); differentiable in q, w, keys.
+    logsumexp_target(z [R,V], labels [R]) -> (lse [R], loss [R]) and
+    softmax_grad(z [R,V], lse [R], labels [R], scale [R], out_dtype) -> dz [R,V]: the row passes of the
+        chunked head cross entropy (``loss.head_cross_entropy``), not differentiable themselves.
     """
 
     name: str
@@ -49,6 +52,8 @@ class Backend:
     indexer_topk: Callable
     head_avg_probs: Callable
     student_scores: Callable
+    logsumexp_target: Callable
+    softmax_grad: Callable
 
 
 def _triton_problem(device: torch.device) -> Optional[str]:
@@ -68,6 +73,7 @@ def _triton_problem(device: torch.device) -> Optional[str]:
 
 def _triton_backend(requested: str) -> Backend:
     from . import triton_attention as ta
+    from . import triton_cross_entropy as tce
     from . import triton_indexer as ti
     from . import triton_student as ts
 
@@ -91,12 +97,23 @@ def _triton_backend(requested: str) -> Backend:
             return ts.student_scores(q, w, keys, sel)
         return reference.student_scores(q, w, keys, sel)
 
-    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student)
+    def lse_target(z, labels):
+        if tce.supported(z):
+            return tce.logsumexp_target(z, labels)
+        return reference.logsumexp_target(z, labels)
+
+    def ce_grad(z, lse, labels, scale, out_dtype):
+        if tce.supported(z):
+            return tce.softmax_grad(z, lse, labels, scale, out_dtype)
+        return reference.softmax_grad(z, lse, labels, scale, out_dtype)
+
+    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student, lse_target, ce_grad)
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:
     return Backend("reference", requested, reason, reference.sparse_sink_attention, reference.indexer_topk,
-                   reference.head_avg_probs, reference.student_scores)
+                   reference.head_avg_probs, reference.student_scores, reference.logsumexp_target,
+                   reference.softmax_grad)
 
 
 def select_backend(name: str, device: torch.device | str | None = None) -> Backend:

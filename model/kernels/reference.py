@@ -1,4 +1,5 @@
-"""Plain-PyTorch versions of the attention kernels (any device, any float dtype).
+"""Plain-PyTorch versions of the attention kernels and of the head cross entropy's row passes
+(any device, any float dtype).
 
 They define the contract the Triton kernels must meet and are the fallback of
 :func:`v4launch.model.kernels.dispatch.select_backend` off SM90. Semantics follow
@@ -202,3 +203,28 @@ def student_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: to
     float32 whatever the inputs' dtype (the KL gradient ``p_s - p_t`` is sensitive to it).
     """
     return _StudentScores.apply(q, w, keys, sel)
+
+
+def logsumexp_target(z: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row log-sum-exp and cross entropy of a head logits chunk (``loss.head_cross_entropy``'s forward).
+
+    z [R, V] float (float32, float64 for a float64 model), labels [R] int64 in [0, V) or -100 (ignored)
+    -> (lse [R], loss [R] = ``lse - z[r, label[r]]``, 0 on ignored rows), both in z's dtype.
+    Math: the softmax cross entropy (as ``F.cross_entropy``, reduction none).
+    """
+    valid = labels != -100
+    lse = torch.logsumexp(z, dim=-1)
+    target = z.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    return lse, torch.where(valid, lse - target, 0.0)
+
+
+def softmax_grad(z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of the summed cross entropy in the logits, ``scale[r] * (softmax(z[r]) - onehot(label[r]))``.
+
+    z [R, V], lse [R] (from :func:`logsumexp_target`), labels [R] (-100: ignored, its ``scale`` must be 0),
+    scale [R] per-row factor -> dz [R, V] in ``out_dtype`` (the GEMM operand dtype).
+    """
+    dz = torch.exp(z - lse[:, None])
+    dz.scatter_add_(1, torch.where(labels != -100, labels, 0)[:, None], -torch.ones_like(dz[:, :1]))
+    return (dz * scale.to(z.dtype)[:, None]).to(out_dtype)

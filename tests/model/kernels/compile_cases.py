@@ -25,6 +25,7 @@ from v4launch.model import model as model_module  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.model.kernels import dispatch  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
+from v4launch.model.kernels import triton_cross_entropy as tce  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
 from v4launch.model.kernels import triton_student as ts  # noqa: E402
 
@@ -50,7 +51,8 @@ def main(seed: int) -> dict:
     # the Triton entry points themselves (their CUDA checks would route CPU tensors to the reference code)
     backend = dispatch.Backend("triton", "triton", "Triton interpreter",
                                counted("attention", ta.sparse_sink_attention), counted("topk", ti.indexer_topk),
-                               counted("teacher", ta.head_avg_probs), counted("student", ts.student_scores))
+                               counted("teacher", ta.head_avg_probs), counted("student", ts.student_scores),
+                               counted("lse", tce.logsumexp_target), counted("ce_grad", tce.softmax_grad))
     model_module.select_backend = lambda name, device: backend
     gen = torch.Generator().manual_seed(seed)
     args = tiny_args(n_layers=1, n_mtp_layers=0, compress_ratios=(4,), n_hash_layers=0, n_heads=16, head_dim=32,

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from v4launch.model.kernels import reference as ref  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
 from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
+from v4launch.model.kernels import triton_cross_entropy as tce  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
 from v4launch.model.kernels import triton_student as ts  # noqa: E402
 
@@ -131,6 +132,29 @@ def student_case(seed: int) -> dict:
                             **{f"d{n}": rel(a, b) for n, a, b in zip(("q", "w", "keys"), grads, grads_t)})}
 
 
+def cross_entropy_case(seed: int) -> dict:
+    """The head cross entropy's row passes against float64 ``log_softmax``: V = 9,000 is two vocab
+    blocks and a partial one; logits scaled by 30 so the running maximum moves between blocks (row 0's
+    largest logit is in the last block); rows 1 and 4 ignored (-100)."""
+    g = torch.Generator().manual_seed(seed + 4)
+    R, V = 6, 9000
+    z = torch.randn(R, V, generator=g) * 30
+    z[0, -5] = 400.0
+    labels = torch.randint(0, V, (R,), generator=g)
+    labels[1] = labels[4] = -100
+    scale = torch.randn(R, generator=g) * (labels != -100)
+    zd = z.double()
+    logp = torch.log_softmax(zd, -1)
+    ok = labels != -100
+    loss_t = torch.where(ok, -logp.gather(1, labels.clamp_min(0)[:, None]).squeeze(1), 0.0)
+    dz_t = scale.double()[:, None] * (logp.exp() - torch.nn.functional.one_hot(labels.clamp_min(0), V) * ok[:, None])
+    lse, loss = tce.logsumexp_target(z, labels)
+    dz = tce.softmax_grad(z, lse, labels, scale, torch.float32)
+    return {"cross_entropy": dict(lse=rel(lse, torch.logsumexp(zd, -1)), loss=rel(loss, loss_t), dz=rel(dz, dz_t),
+                                  ignored_rows=float(dz[~ok].abs().max() + loss[~ok].abs().max()))}
+
+
 if __name__ == "__main__":
     seed = int(sys.argv[1])
-    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed), **student_case(seed)}))
+    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed), **student_case(seed),
+                      **cross_entropy_case(seed)}))

@@ -23,10 +23,12 @@ triton = pytest.importorskip("triton")
 
 def test_kernel_entry_points_are_never_traced():
     from v4launch.model.kernels import triton_attention as ta
+    from v4launch.model.kernels import triton_cross_entropy as tce
     from v4launch.model.kernels import triton_indexer as ti
     from v4launch.model.kernels import triton_student as ts
 
-    for fn in (ta.sparse_sink_attention, ta.head_avg_probs, ti.indexer_topk, ts.student_scores):
+    for fn in (ta.sparse_sink_attention, ta.head_avg_probs, ti.indexer_topk, ts.student_scores,
+               tce.logsumexp_target, tce.softmax_grad):
         assert getattr(fn, "_torchdynamo_disable", False), f"{fn.__name__} is traced by torch.compile"
 
 
@@ -38,7 +40,7 @@ def test_compiled_block_through_the_kernels_matches_eager():
                           capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, f"seed {seed}: compiled run failed:\n{proc.stderr[-4000:]}"
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("attention", "topk", "teacher", "student"):
+    for name in ("attention", "topk", "teacher", "student", "lse", "ce_grad"):
         assert r["eager_calls"].get(name) and r["compiled_calls"].get(name), f"seed {seed}: {name} not called: {r}"
     assert abs(r["loss_compiled"] - r["loss"]) <= 1e-5 * abs(r["loss"]), f"seed {seed}: {r}"
     assert r["grad_rel"] <= 1e-5, f"seed {seed}: gradients differ: {r}"
