@@ -10,8 +10,9 @@ Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA +
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
 1 shared, mHC 4, vocab 129280), bf16 parameters (hc_*, ape, sinks FP32-pinned), fused AdamW.
 One step = forward + backward + optimizer step + router-bias update, on ``--tokens`` tokens
-packed as segments of ``--seg``. Paths: ``reference`` (Attention.forward in plain PyTorch) and
-``kernels`` (``kernels.attention_forward`` with the triton backend).
+packed as segments of ``--seg``. Paths: ``reference`` (the attention in plain PyTorch) and
+``kernels`` (the model's own dispatch with ``kernel_backend="triton"``: the attention, indexer and KL
+kernels and the head cross entropy's row passes, as a product run selects them).
 
 Levers (issue 17), each on by default and switchable for A/B measurements:
   --no-wide-gemm   float32 products of bf16 activations as float32 GEMMs (matmul.set_wide_gemm)
@@ -59,13 +60,12 @@ M = load_model_package()
 from v4launch.model import ModelArgs, V4Model  # noqa: E402
 from v4launch.model import loss as loss_mod  # noqa: E402
 from v4launch.model import matmul, mhc  # noqa: E402
-from v4launch.model.attention import Attention  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
-from v4launch.model.kernels import attention_forward, select_backend  # noqa: E402
 from v4launch.training.step_profile import host_and_device_ms  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
-ORIGINAL_FORWARD = Attention.forward
+KERNEL_BACKEND = {"reference": "reference", "kernels": "triton"}
+"""Benchmark path -> the model's ``kernel_backend`` (``V4Model.set_kernel_backend``)."""
 PARITY_LIMIT = 1.5
 
 
@@ -133,13 +133,10 @@ def build_model(args: ModelArgs, phase: str, dtype: torch.dtype) -> V4Model:
     return model.to(dtype)
 
 
-def use_path(path: str) -> None:
-    """Route Attention.forward through the reference module or the triton kernels."""
-    if path == "reference":
-        Attention.forward = ORIGINAL_FORWARD
-    else:
-        backend = select_backend("triton", torch.device(DEV))
-        Attention.forward = lambda self, x, ctx: attention_forward(self, x, ctx, backend)
+def use_path(model: V4Model, path: str) -> V4Model:
+    """Run ``model`` on the reference module (``reference``) or the Triton kernels (``kernels``)."""
+    model.set_kernel_backend(KERNEL_BACKEND[path])
+    return model
 
 
 def total_loss(out):
@@ -177,8 +174,7 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     args = make_args()
     batch = make_batch(args, a.tokens, a.seg, a.cu_on_device)
     torch._dynamo.reset()
-    use_path(path)
-    model = build_model(args, phase, torch.bfloat16)
+    model = use_path(build_model(args, phase, torch.bfloat16), path)
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
@@ -245,12 +241,10 @@ def parity(a) -> list[dict]:
     args = make_args()
     batch = make_batch(args, a.parity_tokens, min(a.seg, a.parity_tokens), False, seed=1)
     rows = []
-    use_path("reference")
-    model32 = build_model(args, a.parity_phase, torch.float32)
+    model32 = use_path(build_model(args, a.parity_phase, torch.float32), "reference")
     truth_loss, truth = _loss_and_grads(model32, batch)
     for path in a.paths.split(","):
-        use_path(path)
-        model16 = copy.deepcopy(model32).to(torch.bfloat16)
+        model16 = use_path(copy.deepcopy(model32).to(torch.bfloat16), path)
         loss, grads = _loss_and_grads(model16, batch)
         rows.append(dict(path=path, loss=loss, truth_loss=truth_loss, loss_err=abs(loss - truth_loss) / abs(truth_loss),
                          grad_err=float((grads - truth).norm() / truth.norm())))
@@ -330,7 +324,6 @@ def main() -> None:
             print_table(res["rows"][-1:], peaks)
     if a.parity_tokens:
         res["parity"] = parity(a)
-    Attention.forward = ORIGINAL_FORWARD
     print_table(res["rows"], peaks)
     if res["parity"]:
         print_parity(res["parity"])
