@@ -33,6 +33,9 @@ CONFIGS = {
     "fwd": {"lp": dict(BN=64, n_split=1, BH=64, num_warps=8, num_stages=2),
             "fp32": dict(BN=16, n_split=2, BH=16, num_warps=4, num_stages=1)},
     "bwd": {"lp": dict(BN=32, n_split=4, BH=64, num_warps=4, num_stages=1),
+            # <= 16 heads: no output split (the scores are computed once per tile, not once per D slice);
+            # 25.8 vs 45.9 ms per benchmark step (benchmarks/results/attention_bwd_sweep_h16_h200.md)
+            "lp_h16": dict(BN=32, n_split=1, BH=16, num_warps=4, num_stages=1),
             "fp32": dict(BN=16, n_split=4, BH=16, num_warps=4, num_stages=1)},
     "teacher": {"lp": dict(BN=32, n_split=1, BH=64, num_warps=8, num_stages=2),
                 "fp32": dict(BN=16, n_split=1, BH=16, num_warps=4, num_stages=1)},
@@ -273,7 +276,8 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
     """One program per (query, output slice): recomputes the scores per slice; any dtype."""
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
-    cfg = CONFIGS["bwd"][_kind(q.dtype)]
+    kind = _kind(q.dtype)
+    cfg = CONFIGS["bwd"]["lp_h16" if kind == "lp" and H <= 16 else kind]
     DV = D // cfg["n_split"]
     dout = dout.to(q.dtype).contiguous()
     out = out.contiguous()
