@@ -64,6 +64,8 @@ from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.training.step_profile import host_and_device_ms  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
+LAUNCH_CALLS = {"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"}
+"""Host-side launch calls as torch.profiler names them (PyTorch's kernels, Triton's and inductor's)."""
 KERNEL_BACKEND = {"reference": "reference", "kernels": "triton"}
 """Benchmark path -> the model's ``kernel_backend`` (``V4Model.set_kernel_backend``)."""
 PARITY_LIMIT = 1.5
@@ -202,7 +204,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
 
 
 def profile(step, phase: str, path: str, a) -> dict:
-    """torch.profiler over ``--profile-steps`` steps: a Chrome trace, the top GPU kernels, CPU vs GPU time."""
+    """torch.profiler over ``--profile-steps`` steps: a Chrome trace, the top GPU kernels, the ops with the
+    most self CPU time (``table_host_*.txt``), kernel launches per step, CPU vs GPU time."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     out = Path(a.profile)
@@ -221,10 +224,21 @@ def profile(step, phase: str, path: str, a) -> dict:
                 share=dev(e) / 1e3 / n / gpu_ms if gpu_ms else 0.0) for e in kernels[:a.profile_top]]
     table = events.table(sort_by="self_cuda_time_total", row_limit=a.profile_top, max_name_column_width=60)
     (out / f"table_{phase}_{path}.txt").write_text(table)
-    print(f"\nprofile {phase}/{path}: CPU (host ops) {cpu_ms:.1f} ms/step, GPU (kernels) {gpu_ms:.1f} ms/step")
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total, reverse=True)
+    top_host = [dict(name=e.key[:90], ms_per_step=e.self_cpu_time_total / 1e3 / n, calls_per_step=e.count / n)
+                for e in host[:a.profile_top]]
+    (out / f"table_host_{phase}_{path}.txt").write_text(
+        events.table(sort_by="self_cpu_time_total", row_limit=3 * a.profile_top, max_name_column_width=60))
+    launches = sum(e.count for e in events if e.key in LAUNCH_CALLS) / n
+    print(f"\nprofile {phase}/{path}: CPU (host ops) {cpu_ms:.1f} ms/step, GPU (kernels) {gpu_ms:.1f} ms/step, "
+          f"{launches:.0f} kernel launches/step")
     for k in top:
         print(f"  {k['ms_per_step']:8.2f} ms {100 * k['share']:5.1f}%  x{k['calls_per_step']:<6.0f} {k['name']}")
-    return dict(cpu_ms_per_step=cpu_ms, gpu_ms_per_step=gpu_ms, top_kernels=top, trace=str(out))
+    print(f"host: the {len(top_host)} ops with the most self CPU time per step")
+    for k in top_host:
+        print(f"  {k['ms_per_step']:8.2f} ms  x{k['calls_per_step']:<6.0f} {k['name']}")
+    return dict(cpu_ms_per_step=cpu_ms, gpu_ms_per_step=gpu_ms, launches_per_step=launches, top_kernels=top,
+                top_host=top_host, trace=str(out))
 
 
 def _loss_and_grads(model: V4Model, batch) -> tuple[float, torch.Tensor]:
