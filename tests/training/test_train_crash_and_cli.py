@@ -252,3 +252,14 @@ def test_tensorboard_shows_each_step_once_after_a_rollback(new_run):
                 if r["kind"] == "train" and r["step"] == 4]
     assert len(replayed) == 2  # metrics.jsonl keeps both attempts; TensorBoard shows the current one
     assert [e.value for e in acc.Scalars("loss/lm") if e.step == 4] == [pytest.approx(replayed[1]["lm_loss"])]
+
+
+@pytest.mark.parametrize("command", ["run", "resume"])
+def test_max_steps_below_one_is_a_usage_error_that_creates_nothing(tmp_path, monkeypatch, command):
+    """``--max-steps 0`` used to make an empty run directory (no step, no checkpoint); now typer refuses
+    it (exit 2, naming the option and its range) before a recipe is read or a directory written."""
+    monkeypatch.chdir(tmp_path)
+    code, text = _cli(command, "--max-steps", "0")
+    flat = " ".join(text.replace("│", " ").split())
+    assert code == 2 and "--max-steps" in flat and "greater than or equal to 1" in flat, text
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())

@@ -29,7 +29,8 @@ EXAMPLES = """Examples:
 RecipeArg = Annotated[str | None, typer.Argument(
     help="Recipe YAML; default: the workspace's recipe (the one last validated or run).", show_default=False)]
 MaxStepsOpt = Annotated[int | None, typer.Option(
-    "--max-steps", min=0, help="Stop (with a checkpoint) once the run has done N optimizer steps.", show_default=False)]
+    "--max-steps", min=1, help="Stop (with a checkpoint) once the run has done N optimizer steps (N >= 1).",
+    show_default=False)]
 NoProgressOpt = Annotated[bool, typer.Option("--no-progress", help="Plain log lines instead of the progress display.")]
 
 
