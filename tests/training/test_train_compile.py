@@ -82,3 +82,30 @@ def test_run_refuses_inductor_without_a_cpp_compiler_before_data_and_run_directo
     assert out.returncode == 2, out.stderr
     assert text.count("found no C++ compiler") == 1 and "compile.backend=aot_eager" in text
     assert "Traceback" not in out.stderr and not (tmp_path / "runs").exists()
+
+
+def test_local_resume_refuses_inductor_without_a_cpp_compiler_before_writing(new_run, workspace):
+    """`v4launch resume RUN compile.enable=true` on this machine checks the compiler before it accepts the
+    changed recipe or starts the job: exit 2, the error once, the run's recipe, state and checkpoints as
+    they were (the job used to fail at its start, print the error twice and mark the run failed)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run_dir = new_run(name="resume_no_cxx")
+    train(run_dir, max_steps=1, progress=False)
+    before = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*")
+              if p.is_file() and p.suffix in (".yaml", ".json")}
+    exe = str(Path(sys.executable).with_name("v4launch"))
+    env = dict(os.environ, CXX="/no/such/c++", COLUMNS="200")
+    out = subprocess.run([exe, "resume", str(run_dir), "compile.enable=true", "--max-steps", "2", "--no-progress"],
+                         cwd=workspace, capture_output=True, text=True, timeout=300, env=env)
+    text = " ".join(out.stderr.split())
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert text.count("found no C++ compiler") == 1 and "compile.backend=aot_eager" in text
+    assert "Traceback" not in out.stderr
+    after = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*")
+             if p.is_file() and p.suffix in (".yaml", ".json")}
+    assert after == before
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000001"]

@@ -34,6 +34,19 @@ MaxStepsOpt = Annotated[int | None, typer.Option(
 NoProgressOpt = Annotated[bool, typer.Option("--no-progress", help="Plain log lines instead of the progress display.")]
 
 
+def refuse_missing_local_toolchain(recipe) -> None:
+    """For a job that runs on this machine: refuse a recipe that compiles (``compile.enable``) when the
+    compiler backend cannot run here (``training.runner.refuse_missing_toolchain``: inductor on a CPU
+    without a C++ compiler), before anything is written. Raises its ``V4LaunchError`` (exit 2)."""
+    if not recipe.compile.enable:
+        return
+    import torch
+
+    from ..training.runner import refuse_missing_toolchain
+
+    refuse_missing_toolchain(recipe.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[Path | None, list[str]]:
     """``run key=value`` without a recipe: the first override landed in RECIPE."""
     if recipe is not None and "=" in recipe and not Path(recipe).exists():
@@ -61,12 +74,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
         OUT.note(f"warning: {warning}")
     ws.remember(recipe=str(loaded.path))
     r = loaded.recipe
-    if r.compile.enable:  # before data and a run directory exist (the job checks again where it runs)
-        import torch
-
-        from ..training.runner import refuse_missing_toolchain
-
-        refuse_missing_toolchain(r.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    refuse_missing_local_toolchain(r)  # before data and a run directory exist (the job checks again where it runs)
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "
