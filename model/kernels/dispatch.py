@@ -93,7 +93,7 @@ def _triton_backend(requested: str) -> Backend:
         return reference.head_avg_probs(q, kv, idx, scale)
 
     def student(q, w, keys, sel):
-        if ts.supported(q, keys):  # not under deterministic mode: its key gradient is summed with atomics
+        if ts.supported(q, keys):
             return ts.student_scores(q, w, keys, sel)
         return reference.student_scores(q, w, keys, sel)
 

@@ -101,5 +101,8 @@ class RunConfig(Section):
 
     output_root: str = Field("runs", min_length=1, max_length=MAX_TEXT_CHARS, description="Directory (relative to the workspace) holding run directories.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of parameter init and any sampling, in [0, 2^32 - 1] (numpy's seed range).")
-    deterministic: bool = Field(True, description="Deterministic algorithms (bitwise-reproducible resume on CPU).")
+    deterministic: bool = Field(True, description=(
+        "Deterministic algorithms: bitwise-reproducible runs and resumes on CPU, and on a GPU with "
+        "attention.kernel_backend: reference; the triton kernels add gradients with atomics (reproducible "
+        "to rounding)."))
     threads: int | None = Field(None, ge=1, le=4096, description="torch intra-op threads per rank; null = torch default.")

@@ -241,9 +241,13 @@ def test_student_scores_match_reference_in_float32_math(HI):
     assert bool(torch.isfinite(s).all()) and _rel(s[ok], s2[ok]) <= 1e-5
     assert _rel(dw, dw2) <= 1e-5 and _rel(dq.float(), dq2.float()) <= 1e-2 and _rel(dk.float(), dk2.float()) <= 1e-2
     assert ts.supported(q, keys)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True)  # the job's run.deterministic: the kernel still runs, and runs clean
     try:
-        assert not ts.supported(q, keys)  # the dispatch runs the reference then
+        assert ts.supported(q, keys)
+        args = [x.clone().requires_grad_() for x in (q, w, keys)]
+        out = ts.student_scores(*args, sel)
+        grads = torch.autograd.grad((out * g_out).sum(), args)
+        assert _rel(out[ok], s[ok]) <= 1e-6 and _rel(grads[2].float(), dk.float()) <= 1e-5
     finally:
         torch.use_deterministic_algorithms(False)
 
