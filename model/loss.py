@@ -11,11 +11,11 @@ for the backward.
 * forward: per chunk, the logits (a bf16 tensor-core GEMM with float32 accumulation and output
   for bf16 inputs, ``matmul.project``; the plain product for float32 / float64), their float32
   log-sum-exp and the target logit (``Backend.logsumexp_target``: one Triton pass over the chunk on
-  SM90, ``kernels/triton_cross_entropy.py``; PyTorch elsewhere). Kept for the backward: hidden, weight, labels and the
-  log-sum-exp per row ([T] float32) -- O(T) besides the inputs.
+  SM90, ``kernels/triton_cross_entropy.py``; PyTorch elsewhere). Kept for the backward: hidden,
+  weight, labels and the log-sum-exp per row ([T] float32) -- O(T) besides the inputs.
 * backward (custom autograd, recomputing each chunk's logits): ``dz = g (softmax(z) - onehot)``
-  on valid rows (``Backend.softmax_grad``), ``d hidden = dz @ weight``, ``d weight += dz.T @ hidden`` (float32 accumulator
-  for a float32 weight). Transient memory O(chunk_rows x vocab).
+  on valid rows (``Backend.softmax_grad``), ``d hidden = dz @ weight``, ``d weight += dz.T @ hidden``
+  (float32 accumulator for a float32 weight). Transient memory O(chunk_rows x vocab).
 
 Math: the softmax cross entropy and its gradient ``softmax - onehot`` (any textbook; the same
 as ``F.cross_entropy(..., reduction="sum", ignore_index=-100)``).
@@ -66,7 +66,8 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.T
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
-    """Sum over valid rows of the cross entropy of ``hidden @ weight.T``; see the module docstring."""
+    """Sum over valid rows of the cross entropy of ``hidden @ weight.T``; see the module docstring.
+    ``rows``: what provides ``logsumexp_target`` / ``softmax_grad`` (a ``Backend`` or ``kernels.reference``)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int,
