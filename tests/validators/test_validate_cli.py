@@ -66,6 +66,15 @@ def test_a_fix_is_one_unwrapped_line_and_per_stage_figures_follow_a_reference(in
     assert later and all(x.rstrip().endswith("GiB)") for x in later), arrows
 
 
+def test_piped_report_lines_carry_no_trailing_blanks(in_tmp: Path):
+    """Off a terminal the console is 200 columns wide (no folding at 80); rich padded every table row to it,
+    so a report redirected to a file was mostly blanks. Lines now end at their last character."""
+    _, out, _, _ = invoke(["validate", str(RECIPES / "flash_8n.yaml")])
+    lines = out.splitlines()
+    assert len(lines) > 40 and any(line.startswith("pass    V4-TP-ONE") for line in lines)
+    assert not [line for line in lines if line.endswith(" ")], [line for line in lines if line.endswith(" ")][:3]
+
+
 def test_warning_only_exits_0(in_tmp: Path):
     path = write_recipe(in_tmp, base())
     code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])

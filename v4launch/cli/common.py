@@ -27,11 +27,20 @@ PIPE_WIDTH = 200
 
 class _PipeConsole(Console):
     """rich's Console, except that a reader leaving the pipe raises ``BrokenPipeError`` to the command (rich
-    itself exits 1, which would read as a contract violation) once stdout points at /dev/null."""
+    itself exits 1, which would read as a contract violation) once stdout points at /dev/null, and that piped
+    output carries no trailing blanks."""
 
     def on_broken_pipe(self) -> None:
         reader_left()
         raise BrokenPipeError
+
+    def _render_buffer(self, buffer) -> str:
+        """Off a terminal, lines lose the spaces rich pads table cells with to the full ``PIPE_WIDTH`` (a report
+        redirected to a file or piped to ``less`` was 200 columns of mostly blanks)."""
+        text = super()._render_buffer(buffer)
+        if self.is_terminal:
+            return text
+        return "\n".join(line.rstrip(" ") for line in text.split("\n"))
 
 
 class Output:
