@@ -100,6 +100,15 @@ def make_executor(recipe: Any, run_dir: Path, job_name: str) -> submitit.SlurmEx
     return _configure(executor, params)
 
 
+def _refusal_hint(sbatch_text: str) -> str:
+    """What to check after sbatch refused a job: the controller when sbatch could not reach it (the recipe is not
+    at fault then), else the recipe's partition / account / qos."""
+    if "contact slurm controller" in sbatch_text.lower() or "connection refused" in sbatch_text.lower():
+        return ("sbatch could not reach the Slurm controller: check it with `scontrol ping` (on this repository's "
+                "one-node test cluster: `./scripts/dev-cluster up`), then submit again")
+    return "check partition / account / qos in the recipe's slurm: section and `sinfo`"
+
+
 def submit_with_retry(executor: submitit.SlurmExecutor, fn: Callable[[], Any], *, attempts: int = 4,
                       backoff_s: float = 2.0, env: dict[str, str] | None = None) -> str:
     """Submit ``fn`` and return the Slurm job id; retry transient sbatch failures with backoff.
@@ -122,8 +131,7 @@ def submit_with_retry(executor: submitit.SlurmExecutor, fn: Callable[[], Any], *
                 text = str(exc)
                 if attempt == attempts or not any(t.lower() in text.lower() for t in _TRANSIENT):
                     raise V4LaunchError(f"sbatch refused the job: {text.strip()[-800:]}",
-                                        hint="check partition / account / qos in the recipe's slurm: section "
-                                             "and `sinfo`") from None
+                                        hint=_refusal_hint(text)) from None
                 time.sleep(backoff_s * attempt)
     finally:
         if saved is not None:

@@ -184,6 +184,15 @@ class LoadedRecipe:
         """Where ``dotted_field`` was set: ``"recipes/x.yaml:12"``, ``"override k=v"`` or ``"default"``."""
         return self.sources.lookup(dotted_field)
 
+    def repeated_overrides(self) -> list[str]:
+        """One line per override key given more than once, e.g. ``"optimizer.lr is given 2 times (2e-4, then 3e-3): the last, 3e-3, applies"``."""
+        values: dict[str, list[str]] = {}
+        for text in self.overrides:
+            key, _, raw = text.partition("=")
+            values.setdefault(key.strip(), []).append(raw.strip())
+        return [f"{key} is given {len(vals)} times ({', then '.join(vals)}): the last, {vals[-1]}, applies"
+                for key, vals in values.items() if len(vals) > 1]
+
     def to_yaml(self) -> str:
         """The resolved recipe as YAML (loads back to the same ``Recipe``)."""
         return yaml.safe_dump(self.resolved, sort_keys=False, default_flow_style=None, width=120)

@@ -160,3 +160,34 @@ def test_any_value_is_quoted_or_refused(value):
         return
     assert sbatch_flags(script)["--account"] == value
     assert script.count("\n#SBATCH") == len([x for x in script.split("\n") if x.startswith("#SBATCH")])
+
+
+class _RefusingExecutor:
+    """Stands in for submitit's executor: every submit fails with sbatch's message."""
+
+    def __init__(self, message: str):
+        self.message, self.calls = message, 0
+
+    def submit(self, fn):
+        from submitit.core.utils import FailedSubmissionError
+
+        self.calls += 1
+        raise FailedSubmissionError(self.message)
+
+
+@pytest.mark.parametrize("message, retried, hint", [
+    ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)", True,
+     "scontrol ping"),
+    ("sbatch: error: Batch job submission failed: Invalid partition name specified", False, "partition / account"),
+])
+def test_sbatch_refusal_hint_names_the_controller_or_the_recipe(message, retried, hint):
+    """With the controller unreachable the hint pointed at the recipe's partition / account / qos, which were
+    fine; it now says to check the controller. A transient failure is retried before the error."""
+    from v4launch.errors import V4LaunchError
+    from v4launch.slurm.render import submit_with_retry
+
+    executor = _RefusingExecutor(message)
+    with pytest.raises(V4LaunchError) as err:
+        submit_with_retry(executor, lambda: None, attempts=3, backoff_s=0.0)
+    assert hint in err.value.hint and message in err.value.message
+    assert executor.calls == (3 if retried else 1)

@@ -263,3 +263,27 @@ def test_max_steps_below_one_is_a_usage_error_that_creates_nothing(tmp_path, mon
     flat = " ".join(text.replace("│", " ").split())
     assert code == 2 and "--max-steps" in flat and "greater than or equal to 1" in flat, text
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())
+
+
+def test_refusal_with_an_aspect_no_flag_allows_says_so_instead_of_naming_flags():
+    """A tiny run resumed with Flash's recipe is refused for parameter shapes (no flag allows that) and for the
+    layer schedule and optimizer groups (flags do): the hint named the two flags, which only led to a second
+    refusal. It now says that no flag allows the shape change and to start a new run."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from v4launch.training.resume import refusal
+
+    def item(aspect, override):
+        return SimpleNamespace(aspect=aspect, reason=f"{aspect} changes", override=override)
+
+    def plan(*items):
+        return SimpleNamespace(run_dir=Path("runs/r"), checkpoint=Path("step_00000003"),
+                               report=SimpleNamespace(refused=items))
+
+    mixed = refusal(plan(item("layer schedule", "--allow-layer-change"), item("architecture", None),
+                         item("optimizer groups", "--allow-optimizer-regroup")))
+    assert "architecture: no flag allows this" in mixed.hint and "v4launch run" in mixed.hint
+    assert "--allow" not in mixed.hint and "--allow-layer-change" in mixed.message  # each aspect still names its flag
+    flags_only = refusal(plan(item("layer schedule", "--allow-layer-change")))
+    assert flags_only.hint == "if you accept the consequences, add --allow-layer-change"

@@ -75,6 +75,21 @@ def test_piped_report_lines_carry_no_trailing_blanks(in_tmp: Path):
     assert not [line for line in lines if line.endswith(" ")], [line for line in lines if line.endswith(" ")][:3]
 
 
+def test_an_override_given_twice_is_said_with_the_value_that_applies(in_tmp: Path):
+    """``optimizer.lr=2e-4 … optimizer.lr=3e-3``: the last applies (omegaconf's dotlist order), which was silent."""
+    from v4launch.recipe_loading import load_recipe
+    from v4launch.training.recipe_io import check_recipe
+
+    args = ["optimizer.lr=2e-4", "optimizer.min_lr=1e-5", "optimizer.lr=3e-3"]
+    code, out, err, exc = invoke(["validate", str(RECIPES / "tiny_cpu.yaml"), *args])
+    assert exc is None and code == 0, err
+    line = "optimizer.lr is given 2 times (2e-4, then 3e-3): the last, 3e-3, applies"
+    assert line in " ".join(err.split())
+    loaded = load_recipe(RECIPES / "tiny_cpu.yaml", args)
+    assert loaded.recipe.optimizer.lr == 3e-3 and line in check_recipe(loaded)  # run / submit / resume print it
+    assert load_recipe(RECIPES / "tiny_cpu.yaml", args[:2]).repeated_overrides() == []
+
+
 def test_warning_only_exits_0(in_tmp: Path):
     path = write_recipe(in_tmp, base())
     code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])

@@ -74,6 +74,8 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
             OUT.json({"ok": False, "error": err.message, "hint": err.hint})
         raise
     workspace.remember(recipe=str(loaded.path))
+    for line in loaded.repeated_overrides():
+        OUT.note(f"note: {line}")
     report = validate_recipe(loaded)
     try:
         if as_json:

@@ -111,4 +111,5 @@ def check_recipe(loaded: Any) -> list[str]:
     from .plan import plan_curriculum
 
     plan_curriculum(loaded.recipe, loaded.recipe.cluster.world_size)  # the job refuses what it cannot run
-    return [f"{w.rule_id}: {w.message}" for w in report.warnings]
+    repeated = getattr(loaded, "repeated_overrides", list)()  # overrides given twice: the last applies, said
+    return [f"{w.rule_id}: {w.message}" for w in report.warnings] + list(repeated)

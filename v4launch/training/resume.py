@@ -231,8 +231,12 @@ def refusal(plan: ResumePlan) -> RefusedError:
              for i in plan.report.refused]
     flags = sorted({i.override for i in plan.report.refused if i.override})
     lines = list(dict.fromkeys(lines))
-    hint = ("if you accept the consequences, add " + " ".join(flags)) if flags else \
-        "these changes cannot be resumed; start a new run with `v4launch run`"
+    blocked = [i.aspect for i in plan.report.refused if not i.override]
+    if blocked:  # no flag lifts these: naming the flags of the others would only lead to a second refusal
+        hint = (f"{', '.join(dict.fromkeys(blocked))}: no flag allows this, so these changes cannot be resumed; "
+                "start a new run with `v4launch run`")
+    else:
+        hint = "if you accept the consequences, add " + " ".join(flags)
     return RefusedError(f"resume of {plan.run_dir.name} from {plan.checkpoint.name} refused:\n  " + "\n  ".join(lines),
                         hint=hint)
 
