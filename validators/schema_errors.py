@@ -173,6 +173,21 @@ def _fix(err: dict, path: str) -> str | None:
     return None
 
 
+_DOTTED_FIELD = re.compile(r"\b[a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+\b")
+
+
+def _named_field_sources(msg: str, where: Callable[[str], str], shown: str) -> str:
+    """`` (optimizer.lr: override optimizer.lr=2e-4)`` for the dotted fields a section-level message names
+    that were set somewhere other than the location already shown (e.g. by an override): a rule between two
+    fields is reported at their section, and the value that broke it may come from the command line."""
+    found = []
+    for name in dict.fromkeys(_DOTTED_FIELD.findall(msg)):
+        src = where(name)
+        if src not in ("default", shown):
+            found.append(f"{name}: {src}")
+    return f" ({'; '.join(found)})" if found else ""
+
+
 def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, str | None]:
     loc = tuple(err["loc"])
     path = dotted(loc)
@@ -184,7 +199,7 @@ def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, st
     if kind == "missing":
         return f"{src}: missing required key '{path}'", field_description(loc)
     if isinstance(err.get("input"), (dict, list)) and kind in ("value_error", "assertion_error"):
-        return f"{src}: {path or 'recipe'}: {msg}", None
+        return f"{src}: {path or 'recipe'}: {msg}{_named_field_sources(msg, where, src)}", None
     if kind in ("model_type", "model_attributes_type", "dict_type") and _model(_annotation_at(loc)) is not None:
         keys = valid_keys(loc)
         return (f"{src}: {path} = {_value(err.get('input'))}: {path} is a section of keys ({', '.join(keys)}), "

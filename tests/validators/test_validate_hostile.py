@@ -197,6 +197,17 @@ def test_absurd_values_are_refused_with_the_fix(tmp_path: Path, override: str, n
     assert code == 2 and needle in text and fix in text, text
 
 
+def test_a_rule_between_two_fields_names_the_override_that_set_one(tmp_path: Path):
+    """``optimizer.min_lr <= optimizer.lr`` is checked at the optimizer section, so the error pointed at the
+    section's line in the file while the value that broke it came from the command line."""
+    from validate_helpers import RECIPES
+
+    code, text = guarded(tmp_path, [str(RECIPES / "tiny_cpu.yaml"), "optimizer.lr=1e-9"])
+    flat = " ".join(text.split())
+    assert code == 2 and "tiny_cpu.yaml:" in flat.split("optimizer:")[0], text  # the section's line in the file
+    assert "is above optimizer.lr" in flat and "(optimizer.lr: override optimizer.lr=1e-9)" in flat, text
+
+
 @pytest.mark.parametrize("line, needle", [
     ("ep: '8'", "not the text '8' (quoted in the YAML?): write it without quotes, e.g. 8"),
     ("ep: 010", "leading zero, which YAML 1.1 reads as octal 8 and YAML 1.2 as 10"),
