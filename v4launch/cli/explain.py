@@ -63,7 +63,9 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
         return
     rule = _lookup(rule_id)
     if rule is None:
-        guess = did_you_mean(rule_id.strip().upper(), list(RULES)) or did_you_mean(f"V4-{rule_id.strip().upper()}", list(RULES))
+        # compared without the "V4-" every id shares (it made V4-NOPE look close to V4-RECOMPUTE)
+        bare = rule_id.strip().upper().removeprefix("V4-")
+        guess = [f"V4-{g}" for g in did_you_mean(bare, [r.removeprefix("V4-") for r in RULES])]
         if not as_json and not guess:  # nothing close: show what exists
             _list_rules()
         mean = f" (did you mean {guess[0]}?)" if guess else ""
