@@ -168,3 +168,13 @@ def test_status_logs_cancel_on_a_local_run(ws, monkeypatch):
 def test_status_without_runs_is_a_usage_error(ws):
     out = cli("status", cwd=ws)
     assert out.returncode == 2 and "no run" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_status_loss_cell_names_its_step_when_it_is_not_the_rows():
+    """The loss column is the last logged step's; a run stopped between log steps showed step 19 beside step
+    10's loss with nothing saying so."""
+    from v4launch.cli.status import _loss_cell
+
+    assert _loss_cell(4.11372, 19, 10) == "4.114 (step 10)"
+    assert _loss_cell(4.11372, 10, 10) == "4.114"
+    assert _loss_cell(None, 19, 10) == "-" and _loss_cell(2.5, 3, None) == "2.500"

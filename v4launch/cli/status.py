@@ -73,15 +73,26 @@ def _rows(run_dir: Path, st: Any) -> list[dict[str, Any]]:
              "checkpoint": ckpt, "restarts": 0, "detail": ""}]
 
 
+def _loss_cell(loss: Any, step: Any, logged_step: Any) -> str:
+    """The loss is the last logged step's (every ``logging.interval_steps``): its step is said when it is not
+    the row's step (a run stopped at step 19 showed step 19 beside step 10's loss)."""
+    if loss is None or logged_step is None or logged_step == step:
+        return _cell(loss)
+    return f"{_cell(loss)} (step {logged_step})"
+
+
 def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
+    from ..launchers import last_metrics
+
+    logged_step = (last_metrics(run_dir) or {}).get("step")  # the step the loss column comes from
     table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")
     for col in ("job", "state", "stage", "phase", "step", "loss", "checkpoint", "restarts"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         style = _STYLE.get(r["state"], "")
         table.add_row(_cell(r["job_id"]), f"[{style}]{r['state']}[/{style}]" if style else r["state"],
-                      _cell(r["stage"]), _cell(r["phase"]), _cell(r["step"]), _cell(r["loss"]),
-                      _cell(r["checkpoint"]), _cell(r["restarts"]))
+                      _cell(r["stage"]), _cell(r["phase"]), _cell(r["step"]),
+                      _loss_cell(r["loss"], r["step"], logged_step), _cell(r["checkpoint"]), _cell(r["restarts"]))
     return table
 
 
