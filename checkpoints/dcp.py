@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -173,6 +174,14 @@ def load_checkpoint(path: Path, states: dict[str, Any]) -> Manifest:
     except (CheckpointException, OSError, EOFError) as exc:  # DCP's exception derives from BaseException
         older = [p for p in list_checkpoints(path.parent) if p != path]
         first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        missing = re.search(r"Missing key in checkpoint state_dict: ([\w.]+?)\.?$", first)
+        if missing:  # the files are fine: the state asked for holds a tensor the checkpoint never had
+            raise CheckpointError(
+                f"checkpoint {path} has no tensor {missing.group(1)}, which the model being loaded has: the recipe "
+                "adds parameters the checkpoint was not saved with (more layers, another layer schedule); the "
+                "checkpoint itself is intact",
+                hint="resume with the recipe the checkpoint was saved with (`v4launch resume RUN --recipe ...` or "
+                     "without overrides), or start a new run with `v4launch run`") from None
         hint = (f"resume from another complete checkpoint, e.g. `v4launch resume {path.parent.parent} --checkpoint "
                 f"{older[-1].name}` (the ones after the checkpoint you pick are set aside)" if older else
                 f"no other complete checkpoint exists; move it aside (`mv '{path}' "

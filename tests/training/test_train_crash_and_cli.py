@@ -287,3 +287,26 @@ def test_refusal_with_an_aspect_no_flag_allows_says_so_instead_of_naming_flags()
     assert "--allow" not in mixed.hint and "--allow-layer-change" in mixed.message  # each aspect still names its flag
     flags_only = refusal(plan(item("layer schedule", "--allow-layer-change")))
     assert flags_only.hint == "if you accept the consequences, add --allow-layer-change"
+
+
+def test_a_layer_added_on_resume_is_refused_before_launch_and_the_checkpoint_not_called_damaged(stopped_run):
+    """A fifth layer with the layer-schedule and optimizer flags was accepted, then the job failed loading
+    (``Missing key``), said the intact checkpoint was damaged and advised moving it aside. Now the plan
+    refuses it (model tensors: no flag allows it), and the loader, if reached, says what is missing."""
+    import torch
+
+    from v4launch.checkpoints import load_checkpoint
+    from v4launch.checkpoints.base import CheckpointError
+
+    args = ("model.n_layers=5", "model.compress_ratios=[0,4,128,4,4,0]")
+    code, text = _cli("resume", str(stopped_run), *args, "--allow-layer-change", "--allow-optimizer-regroup",
+                      "--dry-run")
+    flat = " ".join(text.split())
+    assert code == 1 and "model tensors" in flat and "no flag allows" in flat, text
+    assert "start a new run" in flat and "damaged" not in flat
+    code, text = _cli("resume", str(stopped_run), "--dry-run")  # the run itself is untouched and resumable
+    assert code == 0, text
+    ckpt = latest_checkpoint(stopped_run / "checkpoints")
+    with pytest.raises(CheckpointError) as err:  # the loader's own message for a tensor the checkpoint lacks
+        load_checkpoint(ckpt, {"model": {"layers.4.extra": torch.zeros(2)}})
+    assert "has no tensor" in err.value.message and "intact" in err.value.message and "damaged" not in err.value.message

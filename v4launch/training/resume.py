@@ -106,20 +106,54 @@ def param_groups_for(recipe: Any, phase: str, manifest: Any, same_recipe: bool) 
     model_phase = manifest.extra.get("model_phase", manifest.phase)
     if same_recipe and phase == model_phase:
         return dict(manifest.param_groups)
-    import torch
-
     from ..checkpoints.base import describe_params
-    from ..model import V4Model
-    from .model_adapter import model_args_from_recipe
     from .optim import group_kind
 
-    with torch.device("meta"):
-        model = V4Model(model_args_from_recipe(recipe), phase=phase)
+    model = _meta_model(recipe, phase)
     groups: dict[str, list] = {}
     for name, p in model.named_parameters():
         tag = "indexer" if ".indexer." in name else "base"
         groups.setdefault(f"{group_kind(name, p, recipe.optimizer.name)}/{tag}", []).append((name, p))
     return {g: describe_params(named) for g, named in groups.items()}
+
+
+_META_MODEL: dict[tuple[str, str], Any] = {}
+
+
+def _meta_model(recipe: Any, phase: str) -> Any:
+    """``V4Model`` of ``recipe`` in ``phase`` on the meta device (no memory), the last one kept: a resume check
+    asks for the same model twice when the target phase is the checkpoint's."""
+    import torch
+
+    from ..checkpoints.base import recipe_hash
+    from ..model import V4Model
+    from .model_adapter import model_args_from_recipe
+
+    key = (recipe_hash(recipe), phase)
+    if key not in _META_MODEL:
+        _META_MODEL.clear()
+        with torch.device("meta"):
+            _META_MODEL[key] = V4Model(model_args_from_recipe(recipe), phase=phase)
+    return _META_MODEL[key]
+
+
+def tensors_item(recipe: Any, manifest: Any, ckpt: Path) -> Any:
+    """``CompatItem("model tensors")``: refused (no flag) when the model the job builds to load ``ckpt`` (the
+    checkpoint's model phase, as ``Runner._load``) has a tensor the checkpoint does not hold (DCP metadata):
+    the load would fail (a layer added; a schedule giving a layer parameters of another kind). The layer-
+    schedule flag accepts weights loading into layers of another type, not weights that do not exist."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ..checkpoints.compat import CompatItem
+
+    phase = manifest.extra.get("model_phase") or (manifest.phase if manifest.indexer_layers else "dense")
+    names = _meta_model(recipe, phase).state_dict().keys()
+    held = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    missing = [n for n in names if f"model.{n}" not in held]
+    if not missing:
+        return CompatItem("model tensors", "safe", "every tensor the model loads is in the checkpoint")
+    return CompatItem("model tensors", "refused", f"the checkpoint holds no weights for {len(missing)} tensor(s) of "
+                      f"the new model (e.g. {', '.join(missing[:3])}): they cannot be loaded, and no flag allows it")
 
 
 def choose_checkpoint(ckpt_root: Path, which: str | None = None) -> tuple[Path, tuple[Path, ...]]:
@@ -216,6 +250,8 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
         from ..data.prepare import cache_key
 
         cache_key(recipe.data, tokenizer)  # new inputs that do not exist: refused now, not in the job
+    if recipe_hash(recipe) != manifest.recipe_hash:
+        report = CompatReport((*report.items, tensors_item(recipe, manifest, ckpt)))
     if old is not None:
         fields = field_items(old, recipe, report.items, launcher=launcher, step=manifest.step,
                              target_stage=idx, run_dir=Path(run_dir))
