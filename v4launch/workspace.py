@@ -67,7 +67,8 @@ class Workspace:
         if not recorded:
             raise UsageError(
                 f"no recipe given and none recorded in workspace {self.root}",
-                hint="name one, e.g. `v4launch validate recipes/flash_4n.yaml`; later commands then default to it",
+                hint="name one, e.g. `v4launch validate flash_4n` (a shipped recipe by name) or a YAML path; later "
+                     "commands then default to it",
             )
         path = Path(recorded)
         if not path.is_file():

@@ -310,3 +310,13 @@ def test_a_layer_added_on_resume_is_refused_before_launch_and_the_checkpoint_not
     with pytest.raises(CheckpointError) as err:  # the loader's own message for a tensor the checkpoint lacks
         load_checkpoint(ckpt, {"model": {"layers.4.extra": torch.zeros(2)}})
     assert "has no tensor" in err.value.message and "intact" in err.value.message and "damaged" not in err.value.message
+
+
+def test_resume_max_steps_not_past_the_checkpoint_is_refused(stopped_run):
+    """``--max-steps`` counts the run's steps: 2 with a checkpoint at step 3 started the workers, loaded the
+    checkpoint and stopped at once, saying nothing. Now a usage error names the checkpoint's step."""
+    code, text = _cli("resume", str(stopped_run), "--max-steps", "2")
+    flat = " ".join(text.split())
+    assert code == 2 and "--max-steps 2 is not past checkpoint step_00000003 (step 3)" in flat, text
+    assert "--max-steps 103" in flat
+    assert _cli("resume", str(stopped_run), "--max-steps", "4", "--dry-run")[0] == 0

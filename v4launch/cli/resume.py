@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from ..errors import UsageError
 from .common import OUT, JsonOpt, OverridesArg
 from .run import MaxStepsOpt, NoProgressOpt, check_profile_env, refuse_missing_local_toolchain
 from .status import resolve_run
@@ -98,6 +99,10 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
                           f"is at step {done} of {total}; nothing to resume (to train 100 more steps in the last stage: "
                           f"curriculum.stages.{len(stages) - 1}.steps={stages[-1].steps + 100})", markup=False)
         return
+    if max_steps is not None and max_steps <= done:  # the job would load the checkpoint and stop at once
+        raise UsageError(f"--max-steps {max_steps} is not past checkpoint {plan.checkpoint.name} (step {done}): "
+                         "--max-steps counts the run's optimizer steps, not steps of this resume",
+                         hint=f"pass a step after {done}, e.g. --max-steps {done + 100}, or leave it out")
     if dry_run:
         OUT.note("dry run: nothing written, nothing launched")
         return

@@ -75,7 +75,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         raise
     workspace.remember(recipe=str(loaded.path))
     for line in loaded.repeated_overrides():
-        OUT.note(f"note: {line}")
+        OUT.note(f"warning: {line}")  # the word run, submit and resume use for it
     report = validate_recipe(loaded)
     try:
         if as_json:
