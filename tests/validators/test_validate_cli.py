@@ -90,6 +90,19 @@ def test_an_override_given_twice_is_said_with_the_value_that_applies(in_tmp: Pat
     assert load_recipe(RECIPES / "tiny_cpu.yaml", args[:2]).repeated_overrides() == []
 
 
+def test_a_piped_error_is_one_line_per_line_of_its_message(in_tmp: Path):
+    """Off a terminal rich hard-wrapped errors at the 200-column pipe width, leaving a blank-padded first line
+    and the rest (here the override that set the field) on a line of its own."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "v4launch", "validate", str(RECIPES / "tiny_cpu.yaml"),
+                           "optimizer.lr=1e-9"], cwd=in_tmp, capture_output=True, text=True, timeout=60, env=env)
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and len(line) > 200, proc.stderr
+    assert line.endswith("(optimizer.lr: override optimizer.lr=1e-9)") and " \n" not in proc.stderr, proc.stderr
+
+
 def test_warning_only_exits_0(in_tmp: Path):
     path = write_recipe(in_tmp, base())
     code, out, _, _ = invoke(["validate", str(path), "curriculum.stages.1.phase=sparse"])

@@ -25,14 +25,8 @@ PIPE_WIDTH = 200
 """Line width of output that does not go to a terminal (rich would fold it at 80 columns)."""
 
 
-class _PipeConsole(Console):
-    """rich's Console, except that a reader leaving the pipe raises ``BrokenPipeError`` to the command (rich
-    itself exits 1, which would read as a contract violation) once stdout points at /dev/null, and that piped
-    output carries no trailing blanks."""
-
-    def on_broken_pipe(self) -> None:
-        reader_left()
-        raise BrokenPipeError
+class _TrimmedConsole(Console):
+    """rich's Console, except that output off a terminal carries no trailing blanks."""
 
     def _render_buffer(self, buffer) -> str:
         """Off a terminal, lines lose the spaces rich pads table cells with to the full ``PIPE_WIDTH`` (a report
@@ -43,12 +37,21 @@ class _PipeConsole(Console):
         return "\n".join(line.rstrip(" ") for line in text.split("\n"))
 
 
+class _PipeConsole(_TrimmedConsole):
+    """The stdout console: a reader leaving the pipe raises ``BrokenPipeError`` to the command (rich itself exits
+    1, which would read as a contract violation) once stdout points at /dev/null."""
+
+    def on_broken_pipe(self) -> None:
+        reader_left()
+        raise BrokenPipeError
+
+
 class Output:
     """One sink for all command output: rich text to stdout, or JSON, or nothing (quiet)."""
 
     def __init__(self) -> None:
         self.console = _PipeConsole(highlight=False)
-        self.err = Console(stderr=True, highlight=False)
+        self.err = _TrimmedConsole(stderr=True, highlight=False)
         for console in (self.console, self.err):
             if not console.is_terminal and "COLUMNS" not in os.environ:
                 console.width = PIPE_WIDTH  # piped/logged output: no 80-column folding of paths and tables
@@ -79,9 +82,10 @@ def report_error(error: V4LaunchError) -> int:
     """Print ``error`` as message + hint on stderr; return its exit code."""
     from rich.markup import escape  # messages quote user values and "[stage x]": never read them as markup
 
-    OUT.err.print(f"[bold red]error:[/bold red] {escape(error.message)}")
+    unwrapped = not OUT.err.is_terminal  # a log or pipe gets each line whole (a fix in it is pasted into a shell)
+    OUT.err.print(f"[bold red]error:[/bold red] {escape(error.message)}", soft_wrap=unwrapped)
     if error.hint:
-        OUT.err.print(f"[yellow]hint:[/yellow] {escape(error.hint)}")
+        OUT.err.print(f"[yellow]hint:[/yellow] {escape(error.hint)}", soft_wrap=unwrapped)
     if os.environ.get("V4LAUNCH_DEBUG") == "1":
         OUT.err.print_exception()
     return error.exit_code
