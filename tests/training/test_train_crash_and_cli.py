@@ -320,3 +320,12 @@ def test_resume_max_steps_not_past_the_checkpoint_is_refused(stopped_run):
     assert code == 2 and "--max-steps 2 is not past checkpoint step_00000003 (step 3)" in flat, text
     assert "--max-steps 103" in flat
     assert _cli("resume", str(stopped_run), "--max-steps", "4", "--dry-run")[0] == 0
+
+
+def test_the_step_log_counts_to_max_steps(new_run, capsys):
+    """With a step cap the log said ``step 1/150 … eta 3m00s`` for a run that stops at step 2."""
+    run = new_run({"logging": {"interval_steps": 1}})
+    train(run, max_steps=2, progress=False)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert " step 1/2 " in text and " step 2/2 " in text and "/150" not in text, text[-2000:]

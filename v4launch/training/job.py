@@ -94,7 +94,9 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
             dist.barrier()
         if info.is_main:
             consume_resume_request(run.paths.root)
-    metrics = MetricsLogger(run.paths.root, rank=info.rank, total_steps=runner.total_steps,
+    # the step count and eta the log shows: where the job will stop (--max-steps), not the curriculum's end
+    last_step = min(runner.total_steps, max_steps) if max_steps is not None else runner.total_steps
+    metrics = MetricsLogger(run.paths.root, rank=info.rank, total_steps=last_step,
                             tensorboard=run.recipe.logging.tensorboard, progress=progress,
                             start_step=runner.first_step)
     runner.metrics = metrics
