@@ -141,7 +141,8 @@ def tensors_item(recipe: Any, manifest: Any, ckpt: Path) -> Any:
     """``CompatItem("model tensors")``: refused (no flag) when the model the job builds to load ``ckpt`` (the
     checkpoint's model phase, as ``Runner._load``) has a tensor the checkpoint does not hold (DCP metadata):
     the load would fail (a layer added; a schedule giving a layer parameters of another kind). The layer-
-    schedule flag accepts weights loading into layers of another type, not weights that do not exist."""
+    schedule flag accepts weights loading into layers of another type, not weights that do not exist.
+    ``plan_resume`` asks only when the layer schedule changed (otherwise the tensors are the same)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from ..checkpoints.compat import CompatItem
@@ -250,7 +251,9 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
         from ..data.prepare import cache_key
 
         cache_key(recipe.data, tokenizer)  # new inputs that do not exist: refused now, not in the job
-    if recipe_hash(recipe) != manifest.recipe_hash:
+    m = recipe.model
+    if (manifest.n_layers, manifest.n_mtp_layers, tuple(manifest.compress_ratios)) != \
+            (m.n_layers, m.mtp.depth, tuple(int(r) for r in m.compress_ratios)):  # else the same tensors by construction
         report = CompatReport((*report.items, tensors_item(recipe, manifest, ckpt)))
     if old is not None:
         fields = field_items(old, recipe, report.items, launcher=launcher, step=manifest.step,
