@@ -44,8 +44,9 @@ SHAPE_FIELDS: tuple[str, ...] = (
 )
 """``model:`` fields that set parameter shapes or existence: a change is refused with no override."""
 
-SCHEDULE_FIELDS: tuple[str, ...] = ("n_layers", "compress_ratios", "mtp.depth")
-"""``model:`` fields reported by the layer-schedule item rather than as settings."""
+SCHEDULE_FIELDS: tuple[str, ...] = ("n_layers", "compress_ratios", "mtp.depth", "decoder_ratios", "has_csa", "has_hca")
+"""``model:`` fields reported by the layer-schedule item rather than as settings (the last three are the schema's
+values computed from the first three: listed as settings, they read "shapes unaffected" for a layer added)."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ def check_resume(
     model_now = m.model_dump(mode="json")
     dims = _diff(manifest.model, model_now, set(SHAPE_FIELDS))
     items.append(CompatItem("architecture", "refused", "parameter shapes change: " + "; ".join(dims)) if dims
-                 else CompatItem("architecture", "safe", "parameter shapes unchanged"))
+                 else CompatItem("architecture", "safe", "widths unchanged (each layer's parameter shapes; the "
+                                                         "layer schedule is its own item)"))
     others = [d for d in _diff(manifest.model, model_now) if d.split(":")[0] not in SHAPE_FIELDS + SCHEDULE_FIELDS]
     items.append(CompatItem("model settings", "safe", ("changed (shapes unaffected): " + "; ".join(others)) if others else "unchanged"))
     items.append(_schedule_item(manifest, recipe, flags))

@@ -89,20 +89,21 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
              "--allow-cold-indexer": allow_cold_indexer}
     plan = plan_resume(info.paths.root, loaded, stage=stage, phase=phase, allow=tuple(f for f, on in flags.items() if on),
                        checkpoint=checkpoint, launcher=info.launcher)
+    done = plan.manifest.step
+    if max_steps is not None and max_steps <= done:  # the job would load the checkpoint and stop at once
+        raise UsageError(f"--max-steps {max_steps} is not past checkpoint {plan.checkpoint.name} (step {done}): "
+                         "--max-steps counts the run's optimizer steps, not steps of this resume",
+                         hint=f"pass a step after {done}, e.g. --max-steps {done + 100}, or leave it out")
     _show(plan, json_out)
     if not plan.report.ok:
         raise refusal(plan)
     stages = loaded.recipe.curriculum.stages
-    total, done = sum(s.steps for s in stages), plan.manifest.step
+    total = sum(s.steps for s in stages)
     if done >= total and plan.stage_index == len(stages) - 1:  # nothing left: no workers to start
         OUT.console.print(f"run {info.paths.root.name} has completed its curriculum: checkpoint {plan.checkpoint.name} "
                           f"is at step {done} of {total}; nothing to resume (to train 100 more steps in the last stage: "
                           f"curriculum.stages.{len(stages) - 1}.steps={stages[-1].steps + 100})", markup=False)
         return
-    if max_steps is not None and max_steps <= done:  # the job would load the checkpoint and stop at once
-        raise UsageError(f"--max-steps {max_steps} is not past checkpoint {plan.checkpoint.name} (step {done}): "
-                         "--max-steps counts the run's optimizer steps, not steps of this resume",
-                         hint=f"pass a step after {done}, e.g. --max-steps {done + 100}, or leave it out")
     if dry_run:
         OUT.note("dry run: nothing written, nothing launched")
         return
