@@ -176,6 +176,12 @@ def test_explain(in_tmp: Path):
     code, out, err, _ = invoke(["explain", "V4-NOPE"])  # the shared "V4-" made V4-RECOMPUTE look close
     assert code == 2 and "did you mean" not in err and "V4-TP-ONE" in out
     assert "did you mean V4-RECOMPUTE?" in invoke(["explain", "recomput"])[2]
+    code, out, _, _ = invoke(["explain", "V4-PP"])  # a family prefix: its rules, not every rule
+    pp = [r for r in RULES if r.startswith("V4-PP-")]
+    assert code == 0 and len(pp) > 2 and all(r in out for r in pp) and "V4-TP-ONE" not in out
+    assert [r["id"] for r in json.loads(invoke(["explain", "cp", "--json"])[1])] == \
+        [r for r in RULES if r.startswith("V4-CP-")]
+    assert invoke(["explain", "v4_memory"])[0] == 0 and invoke(["explain", "pp_balance"])[0] == 0
     code, out, _, _ = invoke(["explain"])
     assert code == 0 and all(rid in out for rid in RULES)
     code, out, _, _ = invoke(["explain", "V4-TP-ONE", "--json"])

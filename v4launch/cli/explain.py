@@ -30,7 +30,7 @@ RuleArg = Annotated[Optional[str], typer.Argument(help="Rule id, e.g. V4-CP-BOUN
 def _lookup(text: str) -> Rule | None:
     from ..validators import RULES
 
-    key = text.strip().upper()
+    key = text.strip().upper().replace("_", "-")  # v4_memory, pp_balance: as typed from a Python name
     return RULES.get(key) or RULES.get(f"V4-{key}")
 
 
@@ -39,13 +39,14 @@ def _rule_dict(rule: Rule) -> dict:
             "severity": rule.severity, "scope": rule.scope, "fix": rule.fix}
 
 
-def _list_rules() -> None:
+def _list_rules(ids: list[str] | None = None) -> None:
+    """The rules ``ids`` (default: every rule) as a table: id, severity, statement."""
     from ..validators import RULES
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("rule", "severity", "statement"):
         table.add_column(name, overflow="fold")
-    for rule in RULES.values():
+    for rule in (RULES[i] for i in ids) if ids is not None else RULES.values():
         table.add_row(rule.id, rule.severity, escape(rule.statement))
     OUT.console.print(table)
 
@@ -64,7 +65,14 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
     rule = _lookup(rule_id)
     if rule is None:
         # compared without the "V4-" every id shares (it made V4-NOPE look close to V4-RECOMPUTE)
-        bare = rule_id.strip().upper().removeprefix("V4-")
+        bare = rule_id.strip().upper().replace("_", "-").removeprefix("V4-")
+        family = [r for r in RULES if r.startswith(f"V4-{bare}-")]
+        if family:  # a family prefix (V4-PP, cp): its rules
+            if as_json:
+                OUT.json([_rule_dict(RULES[r]) for r in family])
+            else:
+                _list_rules(family)
+            return
         guess = [f"V4-{g}" for g in did_you_mean(bare, [r.removeprefix("V4-") for r in RULES])]
         if not as_json and not guess:  # nothing close: show what exists
             _list_rules()
