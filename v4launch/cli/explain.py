@@ -14,7 +14,8 @@ from .common import OUT, JsonOpt
 if TYPE_CHECKING:  # the rule registry (pydantic schema) loads only when the command runs
     from ..validators import Rule
 
-HELP = "Describe a contract rule: statement, source, fields read, severity and fix. Without RULE_ID, list every rule."
+HELP = ("Describe a contract rule: statement, source, fields read, severity and fix. A family prefix (V4-PP, cp) lists "
+        "its rules; without RULE_ID, every rule.")
 EXAMPLES = """Examples:
 
   v4launch explain V4-CP-BOUNDARY
@@ -52,7 +53,8 @@ def _list_rules(ids: list[str] | None = None) -> None:
 
 
 def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
-    """Print one rule (or all rules); an unknown id exits 2 with the closest id, or the rule list when none is close."""
+    """Print one rule, a family's rules (V4-PP, cp) or all rules; an unknown id exits 2 with the closest id, or the
+    rule list when none is close."""
     from ..validators import RULES
     from ..validators.schema_errors import did_you_mean
 
