@@ -195,6 +195,13 @@ class Manifest:
         """True when at least one layer's indexer weights are in the checkpoint."""
         return bool(self.indexer_layers)
 
+    @property
+    def model_phase(self) -> str:
+        """The phase the model was built in when saved (``extra["model_phase"]``; older saves: the phase, or
+        ``dense`` without indexer weights): a resume builds the model so before loading, so that the state it
+        asks for is the state saved."""
+        return self.extra.get("model_phase") or (self.phase if self.indexer_layers else "dense")
+
     @classmethod
     def for_recipe(
         cls,

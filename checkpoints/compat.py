@@ -236,7 +236,9 @@ def _recipe_item(manifest: Manifest, recipe: Recipe, old: Mapping[str, Any] | No
     return CompatItem("recipe", "safe", f"differs ({moved}) in {n} field(s), each listed below with its verdict")
 
 
-def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> CompatItem:
+def schedule_changes(manifest: Manifest, recipe: Recipe) -> list[str]:
+    """How ``recipe``'s layer schedule differs from the checkpoint's (compress ratios, decoder + MTP layer counts,
+    global layer numbering), one phrase each; [] when it is the same (then so are the model's tensors)."""
     m = recipe.model
     ratios = tuple(int(r) for r in m.compress_ratios)
     ids = global_layer_ids(m.n_layers, m.mtp.depth)
@@ -247,7 +249,13 @@ def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> Compa
         changes.append(f"layers {manifest.n_layers}+{manifest.n_mtp_layers} MTP → {m.n_layers}+{m.mtp.depth} MTP")
     if tuple(manifest.layer_ids) != ids:
         changes.append(f"global layer numbering {list(manifest.layer_ids)} → {list(ids)}")
-    return _item("layer schedule", not changes, f"unchanged ({len(ratios)} layers: {list(ratios)})",
+    return changes
+
+
+def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> CompatItem:
+    changes = schedule_changes(manifest, recipe)
+    ratios = [int(r) for r in recipe.model.compress_ratios]
+    return _item("layer schedule", not changes, f"unchanged ({len(ratios)} layers: {ratios})",
                  "; ".join(changes) + ": weights would load into layers of another type", "--allow-layer-change", flags)
 
 

@@ -330,3 +330,14 @@ def test_the_step_log_counts_to_max_steps(new_run, capsys):
     out = capsys.readouterr()
     text = out.out + out.err
     assert " step 1/2 " in text and " step 2/2 " in text and "/150" not in text, text[-2000:]
+
+
+def test_a_damaged_metadata_file_in_the_tensor_check_is_a_refusal_not_a_traceback(stopped_run):
+    """The layer-change check reads the checkpoint's DCP metadata; truncated, it raised the unpickler's error."""
+    ckpt = latest_checkpoint(stopped_run / "checkpoints")
+    meta = ckpt / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    code, text = _cli("resume", str(stopped_run), "model.n_layers=5", "model.compress_ratios=[0,4,128,4,4,0]",
+                      "--allow-layer-change", "--dry-run")
+    flat = " ".join(text.split())
+    assert code == 1 and f"checkpoint {ckpt} cannot be read" in flat and "--checkpoint STEP" in flat, text

@@ -103,8 +103,7 @@ def param_groups_for(recipe: Any, phase: str, manifest: Any, same_recipe: bool) 
     Reuses the manifest's when nothing changed; otherwise builds the model on the meta device
     (no memory; about a minute for full V4-Flash).
     """
-    model_phase = manifest.extra.get("model_phase", manifest.phase)
-    if same_recipe and phase == model_phase:
+    if same_recipe and phase == manifest.model_phase:
         return dict(manifest.param_groups)
     from ..checkpoints.base import describe_params
     from .optim import group_kind
@@ -142,14 +141,21 @@ def tensors_item(recipe: Any, manifest: Any, ckpt: Path) -> Any:
     checkpoint's model phase, as ``Runner._load``) has a tensor the checkpoint does not hold (DCP metadata):
     the load would fail (a layer added; a schedule giving a layer parameters of another kind). The layer-
     schedule flag accepts weights loading into layers of another type, not weights that do not exist.
-    ``plan_resume`` asks only when the layer schedule changed (otherwise the tensors are the same)."""
+    ``plan_resume`` asks only when the layer schedule changed (otherwise the tensors are the same).
+
+    Raises:
+        RefusedError: the checkpoint's ``.metadata`` cannot be read (damaged); the hint names ``--checkpoint``.
+    """
     from torch.distributed.checkpoint import FileSystemReader
 
     from ..checkpoints.compat import CompatItem
 
-    phase = manifest.extra.get("model_phase") or (manifest.phase if manifest.indexer_layers else "dense")
-    names = _meta_model(recipe, phase).state_dict().keys()
-    held = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    names = _meta_model(recipe, manifest.model_phase).state_dict().keys()
+    try:
+        held = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a truncated or foreign .metadata: unpickling raises whatever it meets
+        raise RefusedError(f"checkpoint {ckpt} cannot be read ({type(exc).__name__}: {str(exc)[:120]}): its .metadata "
+                           "is damaged", hint="resume from another complete checkpoint with --checkpoint STEP") from None
     missing = [n for n in names if f"model.{n}" not in held]
     if not missing:
         return CompatItem("model tensors", "safe", "every tensor the model loads is in the checkpoint")
@@ -222,7 +228,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     """
     from ..checkpoints import Manifest, check_resume
     from ..checkpoints.base import recipe_fields, recipe_hash
-    from ..checkpoints.compat import CompatReport
+    from ..checkpoints.compat import CompatReport, schedule_changes
     from ..data.tokenizer import get_tokenizer
     from ..rundir import RunPaths, recipe_on_record
 
@@ -251,9 +257,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
         from ..data.prepare import cache_key
 
         cache_key(recipe.data, tokenizer)  # new inputs that do not exist: refused now, not in the job
-    m = recipe.model
-    if (manifest.n_layers, manifest.n_mtp_layers, tuple(manifest.compress_ratios)) != \
-            (m.n_layers, m.mtp.depth, tuple(int(r) for r in m.compress_ratios)):  # else the same tensors by construction
+    if schedule_changes(manifest, recipe):  # else the model's tensors are the checkpoint's by construction
         report = CompatReport((*report.items, tensors_item(recipe, manifest, ckpt)))
     if old is not None:
         fields = field_items(old, recipe, report.items, launcher=launcher, step=manifest.step,

@@ -151,8 +151,7 @@ class Runner:
             manifest = Manifest.read(path)
         except CheckpointError as exc:
             raise RefusedError(exc.message, exc.hint) from None
-        phase = manifest.extra.get("model_phase") or (manifest.phase if manifest.indexer_layers else "dense")
-        self._build(phase)
+        self._build(manifest.model_phase)
         states = self._states()
         try:
             with warnings.catch_warnings():
