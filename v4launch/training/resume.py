@@ -142,10 +142,7 @@ def tensors_item(recipe: Any, manifest: Any, ckpt: Path) -> Any:
     the load would fail (a layer added; a schedule giving a layer parameters of another kind). The layer-
     schedule flag accepts weights loading into layers of another type, not weights that do not exist.
     ``plan_resume`` asks only when the layer schedule changed (otherwise the tensors are the same).
-
-    Raises:
-        RefusedError: the checkpoint's ``.metadata`` cannot be read (damaged); the hint names ``--checkpoint``.
-    """
+    Raises RefusedError when the checkpoint's ``.metadata`` cannot be read (damaged; the hint names --checkpoint)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from ..checkpoints.compat import CompatItem
