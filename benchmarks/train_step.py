@@ -5,6 +5,7 @@
     python benchmarks/train_step.py --compile                         # + regional torch.compile of each block
     python benchmarks/train_step.py --no-wide-gemm --no-fused-ce --no-fused-mhc --cu-on-device   # levers off
     python benchmarks/train_step.py --phases sparse --profile $OUT/prof   # trace + top kernels + CPU vs GPU
+    python benchmarks/train_step.py --phases sparse --sync-trace         # where the step waits on the GPU
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -198,6 +199,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
                peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)
     if a.profile and path == a.paths.split(",")[-1]:
         row["profile"] = profile(step, phase, path, a)
+    if a.sync_trace:
+        row["sync_trace"] = sync_trace(step)
     del model, step
     torch.cuda.empty_cache()
     return row
@@ -239,6 +242,38 @@ def profile(step, phase: str, path: str, a) -> dict:
         print(f"  {k['ms_per_step']:8.2f} ms  x{k['calls_per_step']:<6.0f} {k['name']}")
     return dict(cpu_ms_per_step=cpu_ms, gpu_ms_per_step=gpu_ms, launches_per_step=launches, top_kernels=top,
                 top_host=top_host, trace=str(out))
+
+
+def sync_trace(step) -> dict[str, int]:
+    """Run ``step`` once under ``torch.cuda.set_sync_debug_mode("warn")``; count where the host waited on
+    the GPU, keyed by the innermost three v4launch / benchmark frames (a backward's sync from inside the
+    autograd engine is keyed by the frames that called ``backward``)."""
+    import collections
+    import traceback
+    import warnings
+
+    seen: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "v4launch" in f.filename or "benchmarks" in f.filename]
+        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1]) or "(no frame)"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print(f"\nsync trace: {sum(seen.values())} host synchronisations in one step")
+    for where, n in seen.most_common():
+        print(f"  x{n:<3d} {where}")
+    return dict(seen)
 
 
 def _loss_and_grads(model: V4Model, batch) -> tuple[float, torch.Tensor]:
@@ -324,6 +359,8 @@ def main() -> None:
     ap.add_argument("--profile", default="", metavar="DIR", help="write a torch.profiler trace of the last path")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--profile-top", type=int, default=20)
+    ap.add_argument("--sync-trace", action="store_true", help="one more step under CUDA sync debug mode: "
+                    "where the host waits on the GPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     a.warmup = a.warmup if a.warmup is not None else (4 if a.compile else 2)

@@ -12,7 +12,9 @@ block input and new streams are cast back to the stream dtype.
 Speed (issue 17): eager, one mixing is ~40 small kernels (the Sinkhorn rounds on [T, hc, hc]
 alone are 4 per round) plus float32 copies of the [T, hc, dim] streams. On CUDA the part after
 the projection GEMM (:func:`hc_pre_tail`) and :func:`hc_post_fused` run as ``torch.compile``d
-regions (a few fused kernels, no float32 stream copies); elsewhere, and with
+regions (a few fused kernels, no float32 stream copies) and the Sinkhorn rounds as one Triton
+kernel each way (``kernels/triton_sinkhorn.py``: compiled, the rounds' chain of small reductions
+was still ~150 launches per mixing and bound the step on the host); elsewhere, and with
 :func:`set_fused_mixing` (False), the eager code below runs. Same math; the fused form writes
 ``sum_j comb[j, k] X_j`` as a broadcast reduction instead of a batched 4 x 4 GEMM.
 """
@@ -45,7 +47,16 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     Row softmax, ``+ eps``, divide by column sums ``(+ eps)``, then ``iters - 1`` rounds of
     row then column normalisation (each ``+ eps`` in the denominator). Source:
     ``hc_split_sinkhorn`` kernel.
+
+    On CUDA with the fused mixing on (:func:`set_fused_mixing`) and float32 logits, one Triton
+    kernel per direction (``kernels/triton_sinkhorn.py``; same math, the rounds in registers)
+    instead of ~4 PyTorch kernels per round forward and more backward.
     """
+    if _FUSED["on"] and logits.is_cuda:
+        from .kernels import triton_sinkhorn  # imports Triton: only on CUDA
+
+        if triton_sinkhorn.applies(logits):
+            return triton_sinkhorn.sinkhorn(logits, iters, eps)
     comb = logits.softmax(dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):

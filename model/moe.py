@@ -319,7 +319,7 @@ class MoE(nn.Module):
         training mode since the last call are used (the job all-reduces ``expert_counts``
         across data-parallel ranks first if it wants the global load).
         """
-        if not self.gate.is_hash and bool(self.expert_counts.sum() > 0):
+        if not self.gate.is_hash:  # no counts yet: err = 0 everywhere, sign 0, no change (no host read)
             load = self.expert_counts.to(torch.float64)
             err = load.mean() - load
             self.gate.bias += (speed * torch.sign(err)).to(self.gate.bias.dtype)

@@ -23,6 +23,7 @@ from v4launch.model.kernels import triton_attention as ta  # noqa: E402
 from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
 from v4launch.model.kernels import triton_cross_entropy as tce  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
+from v4launch.model.kernels import triton_sinkhorn as tsk  # noqa: E402
 from v4launch.model.kernels import triton_student as ts  # noqa: E402
 
 
@@ -154,7 +155,37 @@ def cross_entropy_case(seed: int) -> dict:
                                   ignored_rows=float(dz[~ok].abs().max() + loss[~ok].abs().max()))}
 
 
+def sinkhorn_case(seed: int) -> dict:
+    """The mHC Sinkhorn kernels against the rounds written out in float64 here (row softmax + eps, a
+    column normalisation, then row / column rounds, each denominator + eps): hc 2, 4 and 8, one, two
+    and twenty rounds, a token count that leaves the last program part-filled, logits large enough
+    (x 4) for the rounds to matter. (Traced by ``torch.compile``: test_kernels_triton.py, on a GPU.)"""
+    g = torch.Generator().manual_seed(seed + 5)
+
+    def truth(logits, iters, eps):
+        c = logits.softmax(-1) + eps
+        c = c / (c.sum(-2, keepdim=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(-1, keepdim=True) + eps)
+            c = c / (c.sum(-2, keepdim=True) + eps)
+        return c
+
+    errors = {}
+    for hc, iters, n in ((4, 20, 45), (4, 1, 7), (2, 2, 33), (8, 20, 5)):
+        logits = torch.randn(n, hc, hc, generator=g) * 4
+        g_out = torch.randn(n, hc, hc, generator=g)
+        ld = logits.double().requires_grad_()
+        want = truth(ld, iters, 1e-6)
+        (d_want,) = torch.autograd.grad((want * g_out.double()).sum(), ld)
+        lk = logits.clone().requires_grad_()
+        got = tsk.sinkhorn(lk, iters, 1e-6)
+        (d_got,) = torch.autograd.grad((got * g_out).sum(), lk)
+        errors[f"hc{hc}_it{iters}"] = rel(got, want)
+        errors[f"hc{hc}_it{iters}_dlogits"] = rel(d_got, d_want)
+    return {"sinkhorn": errors}
+
+
 if __name__ == "__main__":
     seed = int(sys.argv[1])
     print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed), **student_case(seed),
-                      **cross_entropy_case(seed)}))
+                      **cross_entropy_case(seed), **sinkhorn_case(seed)}))

@@ -279,3 +279,43 @@ def test_head_cross_entropy_on_the_triton_row_passes_matches_float64(hidden_dtyp
     tol = 1e-2 if hidden_dtype == torch.bfloat16 else 1e-4  # bf16: the gradient GEMMs' operands are bf16
     for name, a, b in zip(("hidden", "weight"), grads, grads_t):
         assert bool(torch.isfinite(a).all()) and _rel(a, b) <= tol, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_sinkhorn_kernel_matches_float64_and_compiles_whole(compiled):
+    """The mHC Sinkhorn kernels (values and d logits) against the rounds in float64, called as is and
+    inside a ``torch.compile``d (inductor, fullgraph) mHC pre-mixing region, which must trace the
+    ``triton_op`` without a graph break. 8,193 tokens: the last program holds one token."""
+    from v4launch.model import mhc
+    from v4launch.model.kernels import triton_sinkhorn as tsk
+
+    T, hc, dim, iters, eps = 8193, 4, 64, 20, 1e-6
+    logits = torch.randn(T, hc, hc, device=DEV) * 4
+    g_out = torch.randn(T, hc, hc, device=DEV)
+    ld = logits.double().requires_grad_()
+    mhc.set_fused_mixing(False)  # the rounds written out in PyTorch (the kernel is off on this path)
+    try:
+        want = mhc.sinkhorn(ld, iters, eps)
+    finally:
+        mhc.set_fused_mixing(True)
+    (d_want,) = torch.autograd.grad((want * g_out.double()).sum(), ld)
+    assert tsk.applies(logits)
+    lk = logits.clone().requires_grad_()
+    _poison()
+    if compiled:
+        torch._dynamo.reset()
+        x = torch.randn(T, hc, dim, device=DEV, dtype=torch.bfloat16)
+        scale, base = torch.ones(3, device=DEV), torch.zeros((2 + hc) * hc, device=DEV)
+        rs = torch.rsqrt(x.float().square().mean(dim=(1, 2)) + 1e-6)[:, None]  # the region's RMS factor
+        raw = torch.zeros(T, (2 + hc) * hc, device=DEV)
+        raw[:, 2 * hc:] = logits.flatten(1) / rs  # so that the region's Sinkhorn logits are ``logits``
+        raw.requires_grad_()
+        region = torch.compile(mhc.hc_pre_tail, fullgraph=True)
+        _, _, got = region(x, raw, scale, base, iters, eps, 1e-6)
+        (d_raw,) = torch.autograd.grad((got * g_out).sum(), raw)
+        d_got = (d_raw / rs)[:, 2 * hc:].view(T, hc, hc)
+    else:
+        got = mhc.sinkhorn(lk, iters, eps)
+        (d_got,) = torch.autograd.grad((got * g_out).sum(), lk)
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(d_got).all())
+    assert _rel(got, want) <= 1e-5 and _rel(d_got, d_want) <= 1e-4, (_rel(got, want), _rel(d_got, d_want))
