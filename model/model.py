@@ -297,6 +297,8 @@ class V4Model(FP32Pinned):
         """
         shard = self.cp.shard(tokens, cu_seqlens, max_seqlen, self.args.window_size, self.args.compress_ratios)
         check_ids(tokens, labels, self.args.vocab_size)
+        for block in self._blocks():  # RoPE tables on the device before any compiled region reads them
+            block.attn.rope.inv_freq_on(tokens.device)
         return BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
                             self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
                             recompute=self.recompute)

@@ -65,9 +65,28 @@ class RotaryEmbedding:
             self.inv_freq = yarn_inv_freq(args.rope_head_dim, args.rope_theta, 1.0, 0, 0.0, 0.0)
         self.key = ("compressed" if ratio else "plain")
 
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Inverse frequencies [rope_dim // 2] float64 on the CPU (:func:`yarn_inv_freq`)."""
+        return self._inv_freq
+
+    @inv_freq.setter
+    def inv_freq(self, value: torch.Tensor) -> None:
+        self._inv_freq = value
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`inv_freq` on ``device``, copied there once. A copy per call from (pageable) host memory
+        would be a host synchronisation per layer and batch on a GPU; ``V4Model.batch_context`` calls
+        this before any compiled region runs, so the regions read the cached tensor."""
+        got = self._on_device.get(device)
+        if got is None:
+            got = self._on_device[device] = self._inv_freq.to(device)
+        return got
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of ``positions`` [N] (integer tokens) -> two [N, rope_dim // 2] tensors."""
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq_on(positions.device)[None, :]
         acc = acc_dtype(dtype)
         return angles.cos().to(acc), angles.sin().to(acc)
 

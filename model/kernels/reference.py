@@ -137,8 +137,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: to
         rows_per = max(64, min(T, 2 ** 27 // max(1, max_entries)))
         for r0 in range(0, T, rows_per):
             r1 = min(T, r0 + rows_per)
-            lo = int(first[r0])
-            hi = max(lo, int(end[r0:r1].max()))
+            if r1 - r0 == T and T * keys.shape[0] <= 2 ** 27:  # one chunk of every key: no host read
+                lo, hi = 0, keys.shape[0]
+            else:  # the chunk's entry range, read on the host (a synchronisation per chunk on a GPU)
+                lo = int(first[r0])
+                hi = max(lo, int(end[r0:r1].max()))
             if hi == lo:
                 continue
             s = score_fn(q[r0:r1], w[r0:r1], keys, first[r0:r1], n_visible[r0:r1], lo, hi)
