@@ -137,9 +137,12 @@ def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) 
 
 
 def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """0-d tensors on one device (name -> value) -> floats, read back in ONE device -> host transfer
-    (the training step's loss sums; summing them per micro-batch on the host would sync per loss)."""
+    """0-d tensors (name -> value) -> floats, read back in ONE device -> host transfer (the training
+    step's loss sums and gradient norm; reading them one by one would wait on the device per value).
+    Values are stacked as float64 on the first value's device."""
     if not values:
         return {}
     names = list(values)
-    return dict(zip(names, torch.stack([values[k].reshape(()) for k in names]).tolist()))
+    first = values[names[0]]
+    return dict(zip(names, torch.stack([values[k].reshape(()).to(first.device, torch.float64)
+                                        for k in names]).tolist()))
