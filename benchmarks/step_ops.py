@@ -222,7 +222,7 @@ def one_kernel_backend():
     base = select_backend("reference", "cpu")
 
     def wrap(name, fn, differentiable):
-        @torch.compiler.disable  # as the Triton entry points: never traced
+        @torch.compiler.disable  # counted in Python at every call: never traced
         def call(*args):
             if differentiable:
                 return _OneKernel.apply(name, fn, len(args), *args)

@@ -9,13 +9,15 @@ by type, wherever the model keeps them (a ``ModuleList`` or a ``ModuleDict`` of 
 Graph breaks remain where a block leaves tensor land, so the default is ``fullgraph=False``; the
 pieces between them (norms, mHC, RoPE, SwiGLU, router, casts) become fused kernels:
 
-* the Triton attention kernels: their entry points (``kernels.triton_attention.sparse_sink_attention``,
-  ``head_avg_probs``, ``kernels.triton_indexer.indexer_topk``, ``kernels.triton_student.student_scores``)
-  are ``torch.compiler.disable``d, so
-  dynamo never traces into a kernel (traced, Triton refused the kernel: a Python float argument
-  became fp64) and the block's graph splits around each call;
-* host-side ranges (the reference attention's chunks, the indexer's row ranges), and the
-  per-expert loop of the CPU / float32 expert path (split sizes read on the host).
+* the sequence balance loss (``moe.sequence_balance_loss``, ``torch.compiler.disable``d: inductor once
+  computed it wrong on the H200); the Triton attention, indexer and KL kernels are NOT breaks: their
+  entry points (``kernels.triton_attention.sparse_sink_attention``, ``head_avg_probs``,
+  ``kernels.triton_indexer.indexer_topk``, ``kernels.triton_student.student_scores``) call custom
+  operators (``torch.ops.v4launch.*``) that the graph calls as opaque operations, so dynamo never traces
+  into a kernel (traced, Triton refused the kernel: a Python float argument became fp64) and a CSA block
+  keeps one graph instead of splitting around each kernel call;
+* host-side ranges (the reference path's attention chunks and indexer row ranges, the warm-up KL's
+  entry ranges), and the per-expert loop of the CPU / float32 expert path (split sizes read on the host).
 
 Recompilation: the blocks share code, so dynamo keeps one cache entry per kind of block (SWA with
 a hash router, CSA with an indexer, HCA, MTP, and the first layer of each kind, which fills the

@@ -293,44 +293,64 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
     return dq, dkv, delta
 
 
-class _SparseSinkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, sink, idx, ranges, scale):
-        out, lse = attention_fwd(q, kv, idx, sink, scale, ranges)
-        ctx.save_for_backward(q, kv, sink, idx, ranges, out, lse)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, kv, sink, idx, ranges, out, lse = ctx.saved_tensors
-        if dout is None:
-            return None, None, None, None, None, None
-        dq, dkv, delta = attention_bwd(q, kv, idx, ranges, out, lse, dout, ctx.scale)
-        dsink = -(torch.exp(sink.float()[None, :] - lse) * delta).sum(0)
-        return dq, dkv.to(kv.dtype), dsink.to(sink.dtype), None, None, None
+@torch.library.custom_op("v4launch::sparse_sink_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: Optional[torch.Tensor],
+                  ranges: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_fwd(q, kv, idx, sink, scale, ranges)
 
 
-@torch.compiler.disable
+@_attention_op.register_fake
+def _attention_shapes(q, kv, sink, idx, ranges, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("v4launch::sparse_sink_attention_backward", mutates_args=())
+def _attention_backward_op(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: Optional[torch.Tensor],
+                           ranges: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dkv, delta = attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
+    dsink = -(torch.exp(sink.float()[None, :] - lse) * delta).sum(0)
+    return dq, dkv.to(kv.dtype), dsink.to(sink.dtype)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_shapes(q, kv, sink, idx, ranges, out, lse, dout, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(kv, memory_format=torch.contiguous_format), torch.empty_like(sink))
+
+
+def _attention_save(ctx, inputs, output) -> None:
+    q, kv, sink, idx, ranges, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, sink, idx, ranges, out, lse)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grads(ctx, dout, _dlse):
+    q, kv, sink, idx, ranges, out, lse = ctx.saved_tensors
+    dq, dkv, dsink = _attention_backward_op(q, kv, sink, idx, ranges, out, lse, dout, ctx.scale)
+    return dq, dkv, dsink, None, None, None
+
+
+_attention_op.register_autograd(_attention_grads, setup_context=_attention_save)
+
+
 def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor], sink: torch.Tensor,
                           scale: float, ranges: Optional[torch.Tensor] = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`v4launch.model.kernels.reference.sparse_sink_attention`
     (same arguments and results; ``lse`` float32; gradients for q, kv, sink).
 
-    Never traced by ``torch.compile`` (``torch.compiler.disable``): a compiled caller (e.g. a
-    block of ``compile.compile_blocks``) breaks its graph here and the kernels launch as written.
-    Traced, dynamo typed the Python float ``scale`` as fp64 inside the kernel and Triton refused
-    the loop-carried softmax maximum (fp32 initial value re-assigned fp64)."""
-    return _SparseSinkAttention.apply(q, kv, sink, idx, ranges, float(scale))
+    A custom operator (``torch.ops.v4launch.sparse_sink_attention``, its backward another): a compiled
+    caller (a block of ``compile.compile_blocks``) keeps one graph around it and calls the operator,
+    which launches the kernels as written (dynamo never traces into them: traced, it had typed the Python
+    float ``scale`` as fp64 inside the kernel, and Triton refused the loop-carried softmax maximum)."""
+    return _attention_op(q, kv, sink, idx, ranges, float(scale))
 
 
-@torch.compiler.disable
-def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` (two passes:
-    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32.
-    Never traced by ``torch.compile`` (see :func:`sparse_sink_attention`)."""
+@torch.library.custom_op("v4launch::head_avg_probs", mutates_args=())
+def _teacher_op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     q, kv = q.contiguous(), kv.contiguous()
     T, H, D = q.shape
     K = idx.shape[1]
@@ -341,3 +361,15 @@ def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: 
                        H=H, D=D, BN=cfg["BN"], PREC=_prec(q.dtype), num_warps=cfg["num_warps"],
                        num_stages=cfg["num_stages"])
     return out
+
+
+@_teacher_op.register_fake
+def _teacher_shapes(q, kv, idx, scale):
+    return q.new_empty((q.shape[0], idx.shape[1]), dtype=torch.float32)
+
+
+def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` (two passes:
+    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32, no gradient (the
+    KL teacher). A custom operator (``torch.ops.v4launch.head_avg_probs``), as :func:`sparse_sink_attention`."""
+    return _teacher_op(q.detach(), kv.detach(), idx, float(scale))

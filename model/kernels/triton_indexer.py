@@ -66,12 +66,23 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: 
     return out
 
 
-@torch.compiler.disable
-def indexer_topk(q, w, keys, first, n_visible, topk: int, max_entries: int) -> torch.Tensor:
-    """Triton-scored version of :func:`reference.indexer_topk` (same arguments and result).
-    Never traced by ``torch.compile`` (a compiled caller breaks its graph here: the row ranges are
-    read on the host and the scores come from a Triton kernel)."""
+@torch.library.custom_op("v4launch::indexer_topk", mutates_args=())
+def _topk_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, first: torch.Tensor, n_visible: torch.Tensor,
+             topk: int, max_entries: int) -> torch.Tensor:
     return reference.indexer_topk(q, w, keys, first, n_visible, topk, max_entries, score_fn=indexer_scores)
+
+
+@_topk_op.register_fake
+def _topk_shapes(q, w, keys, first, n_visible, topk, max_entries):
+    return q.new_empty((q.shape[0], min(topk, max_entries)), dtype=torch.int32)
+
+
+def indexer_topk(q, w, keys, first, n_visible, topk: int, max_entries: int) -> torch.Tensor:
+    """Triton-scored version of :func:`reference.indexer_topk` (same arguments and result, no gradient).
+    A custom operator (``torch.ops.v4launch.indexer_topk``): a compiled caller keeps one graph around it;
+    inside, the row ranges of a multi-chunk call are read on the host and the scores come from a Triton
+    kernel, outside any trace."""
+    return _topk_op(q.detach(), w.detach(), keys.detach(), first, n_visible, int(topk), int(max_entries))
 
 
 def supported(q: torch.Tensor) -> bool:

@@ -83,49 +83,72 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16 / fp16 operands
 
 
-class _StudentScores(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, w, keys, sel):
-        dtype = torch.promote_types(q.dtype, keys.dtype)
-        qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
-        wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
-        T, HI, DI = qc.shape
-        K = selc.shape[1]
-        out = torch.empty(T, K, dtype=torch.float32, device=q.device)
-        if T and K:
-            _student_fwd[(T,)](qc, wc, kc, selc, out, K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0),
-                               out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(dtype), num_warps=4)
-        ctx.save_for_backward(qc, wc, kc, selc)
-        ctx.dtypes = (q.dtype, w.dtype, keys.dtype)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        qc, wc, kc, selc = ctx.saved_tensors
-        q_dtype, w_dtype, keys_dtype = ctx.dtypes
-        T, HI, DI = qc.shape
-        K = selc.shape[1]
-        g = g.to(torch.float32).contiguous()
-        dq = torch.empty(T, HI, DI, dtype=torch.float32, device=g.device)
-        dw = torch.empty(T, HI, dtype=torch.float32, device=g.device)
-        dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
-        if T and K:
-            _student_bwd[(T,)](qc, wc, kc, selc, g, dq, dw, dkeys, K, qc.stride(0), qc.stride(1), wc.stride(0),
-                               selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype),
-                               num_warps=4)
-        else:
-            dq.zero_()
-            dw.zero_()
-        return dq.to(q_dtype), dw.to(w_dtype), dkeys.to(keys_dtype), None
+@torch.library.custom_op("v4launch::student_scores", mutates_args=())
+def _student_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    dtype = torch.promote_types(q.dtype, keys.dtype)
+    qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
+    wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
+    T, HI, DI = qc.shape
+    K = selc.shape[1]
+    out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+    if T and K:
+        _student_fwd[(T,)](qc, wc, kc, selc, out, K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0),
+                           out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(dtype), num_warps=4)
+    return out
 
 
-@torch.compiler.disable
+@_student_op.register_fake
+def _student_shapes(q, w, keys, sel):
+    return q.new_empty((q.shape[0], sel.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("v4launch::student_scores_backward", mutates_args=())
+def _student_backward_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor,
+                         g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(q.dtype, keys.dtype)
+    qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
+    wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
+    T, HI, DI = qc.shape
+    K = selc.shape[1]
+    g = g.to(torch.float32).contiguous()
+    dq = torch.empty(T, HI, DI, dtype=torch.float32, device=g.device)
+    dw = torch.empty(T, HI, dtype=torch.float32, device=g.device)
+    dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
+    if T and K:
+        _student_bwd[(T,)](qc, wc, kc, selc, g, dq, dw, dkeys, K, qc.stride(0), qc.stride(1), wc.stride(0),
+                           selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), num_warps=4)
+    else:
+        dq.zero_()
+        dw.zero_()
+    return dq.to(q.dtype), dw.to(w.dtype), dkeys.to(keys.dtype)
+
+
+@_student_backward_op.register_fake
+def _student_backward_shapes(q, w, keys, sel, g):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(w, memory_format=torch.contiguous_format),
+            torch.empty_like(keys, memory_format=torch.contiguous_format))
+
+
+def _student_save(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _student_grads(ctx, g):
+    q, w, keys, sel = ctx.saved_tensors
+    dq, dw, dkeys = _student_backward_op(q, w, keys, sel, g)
+    return dq, dw, dkeys, None
+
+
+_student_op.register_autograd(_student_grads, setup_context=_student_save)
+
+
 def student_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`reference.student_scores` (same arguments, [T, K] float32 result,
-    gradients in q, w and keys). Never traced by ``torch.compile``: a compiled caller breaks its
-    graph here, as at the other kernels. Raises nothing itself; :func:`supported` says which
-    shapes it takes."""
-    return _StudentScores.apply(q, w, keys, sel)
+    gradients in q, w and keys). A custom operator (``torch.ops.v4launch.student_scores``, its backward
+    another): a compiled caller keeps one graph around it and never traces into the kernels. Raises nothing
+    itself; :func:`supported` says which shapes it takes."""
+    return _student_op(q, w, keys, sel)
 
 
 def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:

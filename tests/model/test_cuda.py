@@ -42,6 +42,59 @@ def test_cuda_bfloat16_trains_and_builds_indexers_on_device():
     assert all(p.grad is not None for n, p in model.named_parameters() if not n.startswith("mtp."))
 
 
+def _sparse_triton_model(dtype: torch.dtype) -> V4Model:
+    """The benchmark's structure at small width (SWA + hash router, CSA, HCA, MTP; 16 heads x 512) in the
+    sparse phase on the Triton kernels, in ``dtype``."""
+    from v4launch.model import ModelArgs
+
+    args = ModelArgs(vocab_size=4096, dim=256, n_layers=3, n_mtp_layers=1, compress_ratios=(0, 4, 128, 0),
+                     n_heads=16, head_dim=512, rope_head_dim=64, q_lora_rank=256, o_groups=4, o_lora_rank=256,
+                     window_size=128, index_n_heads=16, index_head_dim=128, index_topk=64, n_routed_experts=8,
+                     n_activated_experts=2, moe_inter_dim=256, n_hash_layers=1, hc_mult=4)
+    model = V4Model(args, "dense").cuda()
+    model.set_phase("warmup")
+    model.set_phase("sparse")
+    model = model.to(dtype)
+    model.set_kernel_backend("triton")
+    return model
+
+
+def test_compiled_blocks_over_the_triton_kernels_match_eager_without_breaking_at_them():
+    """compile_blocks (inductor) over the custom kernel operators, float32, sparse phase: the same loss and
+    gradients as eager, and no graph break at a kernel entry point (the CPU test, compile_cases.py, runs
+    aot_eager through the interpreter; this one runs inductor's code on the GPU)."""
+    from torch._dynamo.utils import counters
+
+    from v4launch.model.compile import compile_blocks
+    from v4launch.model.kernels import BackendUnavailable
+
+    model = _sparse_triton_model(torch.float32)
+    tokens, cu, max_seqlen, labels = packed_batch([700, 1024, 324], model.args.vocab_size, fresh_gen())
+    tokens, labels = tokens.cuda(), labels.cuda()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads():
+        out = model(tokens, cu, max_seqlen, labels)
+        loss = out.lm_loss + sum(out.aux_losses.values())
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return float(loss), torch.cat([(g if g is not None else torch.zeros_like(p)).flatten()
+                                       for p, g in zip(params, grads)]).double()
+
+    try:
+        loss, grads = loss_and_grads()
+    except BackendUnavailable as e:
+        pytest.skip(f"no Triton kernels here: {e}")
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model)
+    loss_c, grads_c = loss_and_grads()
+    entry_points = ("sparse_sink_attention", "indexer_topk", "head_avg_probs", "student_scores")
+    breaks = [r for r in counters["graph_break"] if any(name in r for name in entry_points)]
+    assert not breaks, breaks
+    assert abs(loss_c - loss) <= 1e-4 * abs(loss), (loss_c, loss)
+    assert float((grads_c - grads).norm() / grads.norm()) <= 1e-3
+
+
 def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_stated():
     """One training step (forward, backward, fused AdamW, router-bias update) of a bf16 model on the
     Triton kernels, sparse phase, segments on the host as the job passes them, under CUDA's sync
@@ -53,18 +106,10 @@ def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_
     import traceback
     import warnings
 
-    from v4launch.model import ModelArgs
     from v4launch.model.kernels import BackendUnavailable
 
-    args = ModelArgs(vocab_size=4096, dim=256, n_layers=3, n_mtp_layers=1, compress_ratios=(0, 4, 128, 0),
-                     n_heads=16, head_dim=512, rope_head_dim=64, q_lora_rank=256, o_groups=4, o_lora_rank=256,
-                     window_size=128, index_n_heads=16, index_head_dim=128, index_topk=64, n_routed_experts=8,
-                     n_activated_experts=2, moe_inter_dim=256, n_hash_layers=1, hc_mult=4)
-    model = V4Model(args, "dense").cuda()
-    model.set_phase("warmup")
-    model.set_phase("sparse")
-    model = model.bfloat16()
-    model.set_kernel_backend("triton")
+    model = _sparse_triton_model(torch.bfloat16)
+    args = model.args
     tokens, cu, max_seqlen, labels = packed_batch([700, 1024, 324], args.vocab_size, fresh_gen())
     tokens, labels = tokens.cuda(), labels.cuda()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)

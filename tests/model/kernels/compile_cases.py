@@ -4,8 +4,9 @@ Started by test_compile_kernels.py in a subprocess (``TRITON_INTERPRET=1`` must 
 kernels are defined). Usage: ``python compile_cases.py SEED``. One CSA layer with an indexer in
 the sparse phase, float32, so the compiled block calls all three kernel entry points
 (``sparse_sink_attention`` forward and backward, ``indexer_topk``, ``head_avg_probs``). The eager
-model is the truth; the compiled one must give the same loss and gradients, and dynamo must not
-have traced into a kernel (it would fail inside the interpreter, as it failed on the GPU).
+model is the truth; the compiled one must give the same loss and gradients, dynamo must not have
+traced into a kernel (it would fail inside the interpreter, as it failed on the GPU), and no graph
+break may name a kernel entry point (they are custom operators, called from inside the graph).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from v4_helpers import build, packed_batch, tiny_args  # noqa: E402
@@ -62,12 +64,17 @@ def main(seed: int) -> dict:
     loss, grads = loss_and_grads(model, batch)
     eager_calls = dict(CALLS)
     torch._dynamo.reset()
+    counters.clear()
     compile_blocks(model, backend="aot_eager")
     loss_c, grads_c = loss_and_grads(model, batch)
+    entry_points = ("sparse_sink_attention", "indexer_topk", "head_avg_probs", "student_scores")
+    breaks = [reason.split("\n")[1].strip() if "\n" in reason else reason
+              for reason in counters["graph_break"] if any(name in reason for name in entry_points)]
     num = sum(float((a - b).double().square().sum()) for a, b in zip(grads_c, grads))
     den = sum(float(b.double().square().sum()) for b in grads)
     return dict(loss=float(loss), loss_compiled=float(loss_c), grad_rel=(num / max(den, 1e-30)) ** 0.5,
-                eager_calls=eager_calls, compiled_calls={k: CALLS[k] - eager_calls.get(k, 0) for k in CALLS})
+                eager_calls=eager_calls, compiled_calls={k: CALLS[k] - eager_calls.get(k, 0) for k in CALLS},
+                breaks_at_kernels=breaks, graphs=counters["stats"]["unique_graphs"])
 
 
 if __name__ == "__main__":

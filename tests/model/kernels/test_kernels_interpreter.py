@@ -33,7 +33,7 @@ if _version(triton.__version__) < (3, 9) and _version(numpy.__version__) >= (2, 
                 "as indices (fixed in Triton 3.9)", allow_module_level=True)
 
 CASES = [f"{kind}/{mode}" for mode in ("idx+ranges", "idx", "ranges") for kind in ("single_pass", "two_pass")]
-CASES += ["teacher", "indexer_scores", "student", "cross_entropy", "sinkhorn"]
+CASES += ["teacher", "indexer_scores", "student", "cross_entropy", "sinkhorn", "opcheck"]
 TOL = 1e-5  # float32 kernels against float64 truth; measured 1e-7 .. 5e-7
 
 
