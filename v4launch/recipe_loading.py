@@ -6,15 +6,15 @@
     loaded.source_of("parallel.cp")   # "override parallel.cp=8" | "recipes/flash_4n.yaml:12" | "default"
     loaded.to_yaml()           # what gets frozen into a run directory
 
-A recipe may name a base with ``extends: flash.yaml`` (resolved relative to the file); the
-child's mappings merge into the base's, lists replace (omegaconf's merge rules, done on plain
-data because omegaconf is slow; omegaconf is imported only to resolve ``${...}``). Overrides are ``dotted.key=value``
-with YAML values (list indices allowed: ``curriculum.stages.0.steps=10``). Every failure is
-a ``RecipeError`` (exit 2) naming the file and line; never a raw pydantic dump.
+A recipe may name a base with ``extends: flash.yaml`` (resolved relative to the file); the child's mappings merge
+into the base's, lists replace (omegaconf's merge rules, done on plain data because omegaconf is slow; omegaconf
+is imported only to resolve ``${...}``). Overrides are ``dotted.key=value`` with YAML values (list indices allowed:
+``curriculum.stages.0.steps=10``). Every failure is a ``RecipeError`` (exit 2) naming the file and line.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import re
 from collections.abc import Sequence
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from .errors import RecipeError
 from .validators.schema.limits import MAX_TEXT_CHARS
-from .recipe_yaml import MAX_DEPTH, MAX_TEXT_BYTES, YamlLimitError, compose
+from .recipe_yaml import MAX_DEPTH, MAX_TEXT_BYTES, YamlLimitError, compose, yaml_names_in
 from .validators.schema import Recipe
 from .validators.schema_errors import describe_validation_error
 
@@ -217,18 +217,18 @@ def _find(path: str | Path) -> Path:
             if _is_file(cand):
                 return cand.resolve()
         try:
-            from importlib.resources import files
-
-            pkg = files("v4launch.recipes")
+            pkg = importlib.resources.files("v4launch.recipes")
             for name in (p.name, f"{p.name}.yaml"):
                 if _is_file(Path(str(pkg.joinpath(name)))):
                     return Path(str(pkg.joinpath(name))).resolve()
         except (ModuleNotFoundError, TypeError):
             pass
-    shipped_names = sorted(f.stem for f in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+    if (inside := yaml_names_in(p)) is not None:  # a directory: say so, and name recipes in it
+        raise RecipeError(f"recipe path is a directory: {_short(str(path))}", hint="give the path of a .yaml recipe "
+                          f"file{', e.g. one of these: ' + ', '.join(inside) if inside else ' (this one has none)'}")
     raise RecipeError(f"recipe not found: {_short(str(path))}",
-                      hint="give the path of a .yaml recipe, or the name of a shipped one: "
-                           + (", ".join(shipped_names) or "flash_4n"))
+                      hint="give the path of a .yaml recipe, or the name of a shipped one: " + (", ".join(sorted(
+                          f.stem for f in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))) or "flash_4n"))
 
 
 def _merge(base: dict, child: dict) -> dict:

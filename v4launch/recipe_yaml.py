@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -324,3 +325,12 @@ def compose(text: str, lines: bool = True) -> tuple[Any, dict[str, tuple[int, st
         elif isinstance(ev, yaml.DocumentStartEvent) and comp.done:
             raise YamlLimitError("a recipe is one YAML document; found a second one", ev.start_mark.line + 1)
     return comp.root, comp.lines
+
+
+def yaml_names_in(path: Path) -> list[str] | None:
+    """The first five ``*.yaml`` names in directory ``path`` (sorted), or None when ``path`` is not a
+    directory (or a name the OS refuses: too long, a NUL byte)."""
+    try:
+        return sorted(c.name for c in path.glob("*.yaml"))[:5] if path.is_dir() else None
+    except (OSError, ValueError):
+        return None

@@ -197,6 +197,11 @@ def test_bad_interpolation(tmp_path: Path):
 
 def test_missing_file_and_shipped_names(tmp_path: Path):
     assert "recipe not found" in _error(tmp_path / "nope.yaml").message
+    (tmp_path / "dir").mkdir()
+    err = _error(tmp_path / "dir")
+    assert "recipe path is a directory" in err.message and "has none" in err.hint
+    (tmp_path / "dir" / "mine.yaml").write_text("name: x\n")
+    assert "mine.yaml" in _error(tmp_path / "dir").hint
     assert load_recipe("flash_4n").recipe.name == "flash_4n"
     assert load_recipe("tiny_cpu.yaml").recipe.name == "tiny_cpu"
 

@@ -76,7 +76,8 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
                 _list_rules(family)
             return
         guess = [f"V4-{g}" for g in did_you_mean(bare, [r.removeprefix("V4-") for r in RULES])]
-        if not as_json and not guess:  # nothing close: show what exists
+        if not as_json and not guess:  # nothing close: show what exists, saying why first
+            OUT.console.print(f"no rule '{escape(rule_id)}'; the rules are:")
             _list_rules()
         mean = f" (did you mean {guess[0]}?)" if guess else ""
         raise UsageError(f"unknown rule id '{rule_id}'{mean}", hint="`v4launch explain` lists every rule")
