@@ -6,6 +6,7 @@
     python benchmarks/train_step.py --no-wide-gemm --no-fused-ce --no-fused-mhc --cu-on-device   # levers off
     python benchmarks/train_step.py --phases sparse --profile $OUT/prof   # trace + top kernels + CPU vs GPU
     python benchmarks/train_step.py --phases sparse --sync-trace         # where the step waits on the GPU
+    python benchmarks/train_step.py --compile --cuda-graph               # the whole step as one CUDA graph
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -51,6 +52,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -147,16 +149,49 @@ def total_loss(out):
                              for k, v in out.aux_losses.items())
 
 
-def make_step(model: V4Model, batch):
+def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int = 3):
+    """One training step (forward, backward, fused AdamW, router-bias update) as a callable.
+
+    ``cuda_graph``: the whole step captured once in a CUDA graph and replayed (no host work per step). The
+    batch's tables (ids checked, the pack, RoPE and compress plans) are built once outside the graph with
+    ``V4Model.batch_context`` and the step runs the forward's three pieces on them, as a pipeline stage
+    does: check_ids' host read cannot be captured. Valid because the benchmark's batch never changes;
+    the product's batches change shape from step to step (documents packed whole), so it does not apply
+    there. ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
+    """
     tokens, cu, max_seqlen, labels, _ = batch
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True,
+                            capturable=cuda_graph)
 
     def train_step():
         total_loss(model(tokens, cu, max_seqlen, labels)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(1e-3)
-    return train_step
+    if not cuda_graph:
+        return train_step
+    ctx = model.batch_context(tokens, cu, max_seqlen, labels)
+
+    def captured_step():
+        aux: dict[str, torch.Tensor] = {}
+        h, e_mtp = model.embed_streams(tokens, ctx)
+        h = model.run_layers(h, tokens, ctx, aux)
+        lm_loss, _ = model.head_losses(h, e_mtp, tokens, labels, ctx, aux)
+        total_loss(SimpleNamespace(lm_loss=lm_loss, aux_losses=aux)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # the captured backward then writes the gradients, never adds to them
+        model.update_router_bias(1e-3)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(graph_warmup):
+            captured_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_step()
+    return graph.replay
 
 
 def host_ms(step, reps: int) -> float:
@@ -181,8 +216,13 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
-    step = make_step(model, batch)
+    step = None if a.cuda_graph else make_step(model, batch)
     try:
+        if step is None:  # capturing runs the graph warm-up steps itself
+            try:
+                step = make_step(model, batch, cuda_graph=True)
+            except RuntimeError as e:  # something in the step cannot be captured: say what, keep the other rows
+                return dict(phase=phase, path=path, error=f"CUDA graph capture failed: {str(e)[:300]}")
         t0 = time.perf_counter()
         for _ in range(a.warmup):
             step()
@@ -350,6 +390,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, 4 with --compile)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (compile.compile_blocks)")
+    ap.add_argument("--cuda-graph", action="store_true", help="capture the whole step in one CUDA graph and replay "
+                    "it (the benchmark's batch is fixed; see make_step)")
     ap.add_argument("--no-wide-gemm", action="store_true")
     ap.add_argument("--no-fused-ce", action="store_true")
     ap.add_argument("--no-fused-mhc", action="store_true")
