@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .args import ModelArgs
-from .common import FP32Pinned, RMSNorm, acc_dtype, linear, rms_unweighted
+from .common import FP32Pinned, RMSNorm, acc_dtype, linear, on_device_count, rms_unweighted
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
 from .kernels.layer import attention_forward, gather_label
@@ -219,7 +219,7 @@ class Attention(FP32Pinned):
         if kl_sum is None:  # no compressed entry for these queries: an explicit zero
             kl_sum = sum(p.sum() for p in self.indexer.parameters()) * 0.0
         kl_sum = ctx.cp.tie(kl_sum, mems)
-        kl_rows = ctx.cp.sum_counts(torch.as_tensor(kl_rows, device=out.device))  # a device count: no host sync
+        kl_rows = ctx.cp.sum_counts(on_device_count(kl_rows, out.device))  # a device count: no host sync
         return out, ctx.cp.sum_partial(kl_sum) / kl_rows.clamp_min(1)
 
     def project_query(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -146,3 +146,10 @@ def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
     first = values[names[0]]
     return dict(zip(names, torch.stack([values[k].reshape(()).to(first.device, torch.float64)
                                         for k in names]).tolist()))
+
+
+def on_device_count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A row count as a 0-d int64 tensor on ``device``: ``n`` itself when it is one already, else filled
+    there (``torch.as_tensor(n, device=...)`` would copy it from host memory, a wait on the GPU, and a copy
+    a CUDA graph cannot capture)."""
+    return n if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=device)

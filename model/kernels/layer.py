@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..common import acc_dtype, linear
+from ..common import acc_dtype, linear, on_device_count
 from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
 from .dispatch import Backend
@@ -142,4 +142,4 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
     if kl_sum is None:  # no compressed entry for these queries: an explicit zero
         kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
     kl_sum = ctx.cp.tie(kl_sum, mems)
-    return out, ctx.cp.sum_partial(kl_sum) / ctx.cp.sum_counts(torch.as_tensor(kl_rows, device=out.device)).clamp_min(1)
+    return out, ctx.cp.sum_partial(kl_sum) / ctx.cp.sum_counts(on_device_count(kl_rows, out.device)).clamp_min(1)
