@@ -64,7 +64,7 @@ from v4launch.model import ModelArgs, V4Model  # noqa: E402
 from v4launch.model import loss as loss_mod  # noqa: E402
 from v4launch.model import matmul, mhc  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
-from v4launch.training.step_profile import host_and_device_ms  # noqa: E402
+from v4launch.training.step_profile import host_and_device_ms, host_waits  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
 LAUNCH_CALLS = {"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"}
@@ -285,34 +285,16 @@ def profile(step, phase: str, path: str, a) -> dict:
 
 
 def sync_trace(step) -> dict[str, int]:
-    """Run ``step`` once under ``torch.cuda.set_sync_debug_mode("warn")``; count where the host waited on
-    the GPU, keyed by the innermost three v4launch / benchmark frames (a backward's sync from inside the
-    autograd engine is keyed by the frames that called ``backward``)."""
-    import collections
-    import traceback
-    import warnings
+    """Run ``step`` once and count where the host waited on the GPU (``step_profile.host_waits``), keyed by the
+    innermost three v4launch / benchmark frames."""
+    def where(stack) -> str:
+        frames = [f for f in stack if "v4launch" in f.filename or "benchmarks" in f.filename]
+        return " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1]) or "(no frame)"
 
-    seen: collections.Counter = collections.Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1] if "v4launch" in f.filename or "benchmarks" in f.filename]
-        seen[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1]) or "(no frame)"] += 1
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    seen = host_waits(step, where)
     print(f"\nsync trace: {sum(seen.values())} host synchronisations in one step")
-    for where, n in seen.most_common():
-        print(f"  x{n:<3d} {where}")
+    for place, n in seen.most_common():
+        print(f"  x{n:<3d} {place}")
     return dict(seen)
 
 

@@ -80,8 +80,6 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
         raise _bad("cu_seqlens", list(cu_host), "must be strictly increasing (no empty segment)",
                    "drop empty segments from the pack")
     longest = max(b - a for a, b in zip(cu_host, cu_host[1:]))
-    if cu_seqlens.device.type == "cpu" and tokens.device.type == "cuda":
-        cu_seqlens = cu_seqlens.pin_memory()  # a truly asynchronous copy (pageable memory is staged by the driver)
     cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64, non_blocking=True)
     lengths = cu[1:] - cu[:-1]
     try:

@@ -14,7 +14,6 @@ is imported only to resolve ``${...}``). Overrides are ``dotted.key=value`` with
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 import re
 from collections.abc import Sequence
@@ -98,11 +97,8 @@ class _Where:
 
 
 class SourceMap:
-    """Where each dotted path got its value: the last file (base → child) or override that set it.
-
-    A trie keyed by path parts, so recording and looking up are linear in the recipe's size
-    (a 20,000-entry list records in milliseconds).
-    """
+    """Where each dotted path got its value: the last file (base → child) or override that set it. A trie keyed
+    by path parts: recording and lookup are linear in the recipe's size (a 20,000-entry list: milliseconds)."""
 
     def __init__(self) -> None:
         self._root = _Where()
@@ -217,7 +213,9 @@ def _find(path: str | Path) -> Path:
             if _is_file(cand):
                 return cand.resolve()
         try:
-            pkg = importlib.resources.files("v4launch.recipes")
+            from importlib.resources import files  # only for a name that is no file here: not at import time
+
+            pkg = files("v4launch.recipes")
             for name in (p.name, f"{p.name}.yaml"):
                 if _is_file(Path(str(pkg.joinpath(name)))):
                     return Path(str(pkg.joinpath(name))).resolve()

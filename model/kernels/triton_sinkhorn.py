@@ -99,33 +99,32 @@ def applies(logits: torch.Tensor) -> bool:
             and hc & (hc - 1) == 0)
 
 
-@triton_op("v4launch::sinkhorn", mutates_args=())
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Doubly-stochastic mixing matrices: logits [..., hc, hc] float32 -> same shape (rows j = source
-    stream), as ``mhc.sinkhorn`` (``iters >= 1`` rounds, ``eps`` in every denominator). Differentiable
-    in ``logits``. Requires :func:`applies`."""
+def _launch(kernel, logits: torch.Tensor, *grads: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Run ``kernel`` over the tokens of ``logits`` [..., hc, hc] (and ``grads`` of the same shape); returns its
+    output, a new tensor shaped like ``logits``."""
     x = logits.contiguous()
     out = torch.empty_like(x)
     hc = x.shape[-1]
     n = x.numel() // (hc * hc)
     if n:
-        wrap_triton(_sinkhorn_fwd_kernel)[(triton.cdiv(n, BLOCK_TOKENS),)](
-            x, out, n, iters, EPS=eps, HC=hc, BLOCK=BLOCK_TOKENS, num_warps=1)
+        wrap_triton(kernel)[(triton.cdiv(n, BLOCK_TOKENS),)](
+            x, *(g.contiguous() for g in grads), out, n, iters, EPS=eps, HC=hc, BLOCK=BLOCK_TOKENS, num_warps=1)
     return out
+
+
+@triton_op("v4launch::sinkhorn", mutates_args=())
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Doubly-stochastic mixing matrices: logits [..., hc, hc] float32 -> same shape (rows j = source
+    stream), as ``mhc.sinkhorn`` (``iters >= 1`` rounds, ``eps`` in every denominator). Differentiable
+    in ``logits``. Requires :func:`applies`."""
+    return _launch(_sinkhorn_fwd_kernel, logits, iters=iters, eps=eps)
 
 
 @triton_op("v4launch::sinkhorn_backward", mutates_args=())
 def sinkhorn_backward(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Gradient of :func:`sinkhorn` with respect to ``logits`` given ``grad`` (same shape, float32)."""
-    x = logits.contiguous()
-    g = grad.contiguous()
-    dl = torch.empty_like(x)
-    hc = x.shape[-1]
-    n = x.numel() // (hc * hc)
-    if n:
-        wrap_triton(_sinkhorn_bwd_kernel)[(triton.cdiv(n, BLOCK_TOKENS),)](
-            x, g, dl, n, iters, EPS=eps, HC=hc, BLOCK=BLOCK_TOKENS, num_warps=1)
-    return dl
+    """Gradient of :func:`sinkhorn` with respect to ``logits`` [..., hc, hc] given ``grad`` (same shape,
+    float32): recomputes the rounds from the logits (module docstring). Requires :func:`applies`."""
+    return _launch(_sinkhorn_bwd_kernel, logits, grad, iters=iters, eps=eps)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -83,17 +83,22 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for bf16 / fp16 operands
 
 
+def _operands(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor):
+    """The kernels' operands: q and keys in their common dtype, everything contiguous, sel int32."""
+    dtype = torch.promote_types(q.dtype, keys.dtype)
+    return (q.to(dtype).contiguous(), w.contiguous(), keys.to(dtype).contiguous(),
+            sel.to(torch.int32).contiguous())
+
+
 @torch.library.custom_op("v4launch::student_scores", mutates_args=())
 def _student_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    dtype = torch.promote_types(q.dtype, keys.dtype)
-    qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
-    wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
+    qc, wc, kc, selc = _operands(q, w, keys, sel)
     T, HI, DI = qc.shape
     K = selc.shape[1]
     out = torch.empty(T, K, dtype=torch.float32, device=q.device)
     if T and K:
         _student_fwd[(T,)](qc, wc, kc, selc, out, K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0),
-                           out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(dtype), num_warps=4)
+                           out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), num_warps=4)
     return out
 
 
@@ -105,9 +110,7 @@ def _student_shapes(q, w, keys, sel):
 @torch.library.custom_op("v4launch::student_scores_backward", mutates_args=())
 def _student_backward_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor,
                          g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(q.dtype, keys.dtype)
-    qc, kc = q.to(dtype).contiguous(), keys.to(dtype).contiguous()
-    wc, selc = w.contiguous(), sel.to(torch.int32).contiguous()
+    qc, wc, kc, selc = _operands(q, w, keys, sel)
     T, HI, DI = qc.shape
     K = selc.shape[1]
     g = g.to(torch.float32).contiguous()

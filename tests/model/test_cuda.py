@@ -102,11 +102,8 @@ def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_
     (packing.py). Measured before the fix: 25 waits per benchmark step (the RoPE tables copied to the GPU
     per layer and batch, the indexer's entry range read per CSA layer, the router-bias guard per layer).
     The step runs twice first: the RoPE tables are copied to the GPU once, on first use."""
-    import collections
-    import traceback
-    import warnings
-
     from v4launch.model.kernels import BackendUnavailable
+    from v4launch.training.step_profile import host_waits
 
     model = _sparse_triton_model(torch.bfloat16)
     args = model.args
@@ -126,22 +123,12 @@ def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_
     except BackendUnavailable as e:
         pytest.skip(f"no Triton kernels here: {e}")
     step()
-    seen: collections.Counter = collections.Counter()
 
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            inner = [f for f in traceback.extract_stack()[:-1] if "/model/" in f.filename and "/tests/" not in f.filename]
-            seen[f"{inner[-1].filename.rsplit('/', 1)[-1]}:{inner[-1].name}" if inner else "outside the model"] += 1
+    def model_function(stack) -> str:  # the innermost frame in a model file
+        inner = [f for f in stack if "/model/" in f.filename and "/tests/" not in f.filename]
+        return f"{inner[-1].filename.rsplit('/', 1)[-1]}:{inner[-1].name}" if inner else "outside the model"
 
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    seen = host_waits(step, model_function)
     # the count comes from the profiler (the stream synchronisations the step's threads made, the backward's
     # included); the sync-debug trace above names the model function behind each, for the message
     from torch.profiler import ProfilerActivity, profile

@@ -98,3 +98,36 @@ def test_a_run_stopped_inside_the_window_ends_cleanly(tmp_path: Path, monkeypatc
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "profile" and "stopped before step 9" in (run / "logs" / "rank0.log").read_text()
                for e in events)
+
+
+def test_host_waits_counts_sync_warnings_by_where_they_came_from(monkeypatch):
+    """``host_waits`` keys each sync-debug warning by the caller's ``where(stack)`` and ignores other warnings;
+    the debug mode is switched back to default even when the step raises (CUDA itself stubbed out here)."""
+    import warnings
+
+    import torch
+
+    from v4launch.training.step_profile import host_waits
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def read_twice():
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def step():
+        read_twice()
+        warnings.warn("some other warning")
+        warnings.warn("called a synchronizing CUDA operation")
+
+    seen = host_waits(step, lambda stack: stack[-1].name)
+    assert dict(seen) == {"read_twice": 2, "step": 1} and modes == ["warn", "default"]
+
+    def failing():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        host_waits(failing, lambda stack: "x")
+    assert modes[-1] == "default"

@@ -206,10 +206,10 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
     model.update_router_bias(bias_speed)
     # the step's one read of device values, after everything is queued: the host never waits mid-step
-    read = to_host({**on_device, _GRAD_NORM: norm.detach().to(torch.float64)})
-    stats = _stats(sums if pipeline is not None else {k: v for k, v in read.items() if k != _GRAD_NORM},
-                   n, weights, info, layout)
-    stats.grad_norm = read[_GRAD_NORM]
+    read = to_host({**on_device, _GRAD_NORM: norm.detach()})
+    grad_norm = read.pop(_GRAD_NORM)
+    stats = _stats(read if pipeline is None else sums, n, weights, info, layout)
+    stats.grad_norm = grad_norm
     # every rank of a CP group reports its micro-batches' (global) token count: count them once
     ranks = layout.shard_size if layout is not None else info.world
     stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info, group)["tokens"] * ranks / cp)

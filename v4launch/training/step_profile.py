@@ -10,10 +10,13 @@ and is not frozen into the run's recipe.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
+import traceback
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import UsageError
 
@@ -53,6 +56,33 @@ def host_and_device_ms(events: Any) -> tuple[float, float]:
     device = sum(getattr(e, "self_device_time_total", 0.0) for e in events
                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     return host / 1e3, device / 1e3
+
+
+def host_waits(step: Callable[[], Any], where: Callable[[list[traceback.FrameSummary]], str]) -> collections.Counter:
+    """Run ``step`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and count the host's waits on the GPU
+    (stream synchronisations: ``.item()``, ``.tolist()``, blocking copies), keyed by ``where(frames)``: the Python
+    stack at the waiting call, innermost last, without the warnings machinery's own frames. A wait inside the autograd engine surfaces at the frame that
+    called ``backward``. CUDA only; ``step`` runs exactly once. Source: torch's sync debug mode, whose warnings
+    carry no stack themselves."""
+    import torch
+
+    seen: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            seen[where([f for f in traceback.extract_stack()[:-1] if f.filename != warnings.__file__])] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return seen
 
 
 class StepProfiler:
