@@ -22,6 +22,7 @@ Percentages are of the bf16 matmul rate measured in the same run (8192^3, random
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -145,7 +146,7 @@ class Capture:
             self.idx = tuple(x.detach() if torch.is_tensor(x) else x for x in a)
             return b.indexer_topk(*a)
 
-        return type(b)(b.name, b.requested, b.reason, attn, topk, b.head_avg_probs)
+        return dataclasses.replace(b, sparse_sink_attention=attn, indexer_topk=topk)
 
 
 def step(path, attn, x, g, ctx_args, backend=None):

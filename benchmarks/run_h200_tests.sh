@@ -3,11 +3,12 @@
 # (tests/model/kernels/test_kernels_triton.py) and the CUDA model tests (tests/model/test_cuda.py).
 # Run from /tmp with --rootdir: from the repository root the checkout's v4launch/ directory would shadow the
 # installed package (which maps model/ to v4launch.model) and the tests' imports fail.
-# TESTS (default both files) and PYTEST_ARGS (e.g. "-k student") narrow it; output in $OUT/gpu_tests.txt.
+# TESTS (default both files), K (a -k expression, spaces allowed: K="student or teacher") and PYTEST_ARGS (split
+# on spaces, e.g. "-v -x") narrow it; output in $OUT/gpu_tests.txt.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 R=$REPO
 TESTS=${TESTS:-"tests/model/kernels/test_kernels_triton.py tests/model/test_cuda.py"}
 (cd /tmp && timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider --rootdir=/tmp --durations=5 \
-    $(for t in $TESTS; do echo $R/$t; done) ${PYTEST_ARGS:-} > $OUT/gpu_tests.txt 2>&1; echo "gpu tests exit $?")
+    $(for t in $TESTS; do echo $R/$t; done) ${K:+-k "$K"} ${PYTEST_ARGS:-} > $OUT/gpu_tests.txt 2>&1; echo "gpu tests exit $?")
 tail -15 $OUT/gpu_tests.txt

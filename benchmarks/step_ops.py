@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -177,13 +178,13 @@ class _OneKernel(torch.autograd.Function):
         ctx.name, ctx.inputs, ctx.outs = name, [args[i] for i in tensors], outs
         ctx.where = tensors
         ctx.n_in = n_in
-        return tuple(o.detach() for o in outs) if isinstance(outs, tuple) else outs.detach()
+        return tuple(None if o is None else o.detach() for o in outs) if isinstance(outs, tuple) else outs.detach()
 
     @staticmethod
     def backward(ctx, *grads):
         _count(ctx.name + "_bwd")
         outs = ctx.outs if isinstance(ctx.outs, tuple) else (ctx.outs,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o is not None and o.requires_grad]
         need = [t for t in ctx.inputs if t.requires_grad]
         with _quiet(ctx.name + "_bwd"):
             got = torch.autograd.grad([o for o, _ in pairs], need, [g for _, g in pairs], allow_unused=True) \
@@ -231,10 +232,12 @@ def one_kernel_backend():
                 return fn(*args)
         return call
 
-    return base.__class__(name="triton", requested="triton", reason="step_ops: reference values, counted as kernels",
-                          sparse_sink_attention=wrap("sparse_sink_attention", base.sparse_sink_attention, True),
-                          indexer_topk=wrap("indexer_topk", base.indexer_topk, False),
-                          head_avg_probs=wrap("head_avg_probs", base.head_avg_probs, False))
+    return dataclasses.replace(base, name="triton", requested="triton",
+                               reason="step_ops: reference values, counted as kernels",
+                               sparse_sink_attention=wrap("sparse_sink_attention", base.sparse_sink_attention, True),
+                               indexer_topk=wrap("indexer_topk", base.indexer_topk, False),
+                               head_avg_probs=wrap("head_avg_probs", base.head_avg_probs, False),
+                               student_scores=wrap("student_scores", base.student_scores, True))
 
 
 # ----------------------------------------------------------------------------- GPU-like paths

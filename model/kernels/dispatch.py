@@ -31,13 +31,17 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Backend:
-    """The functions one backend provides (all with the reference signatures).
+    """The functions one backend provides (the reference signatures, with the two additions marked).
 
     sparse_sink_attention(q [T,H,D], kv [N,D], idx [T,K] int32 | None, sink [H], scale, ranges [T,4] | None)
-        -> (out [T,H,D], lse [T,H]); differentiable in q, kv, sink.
+        -> (out [T,H,D], lse [T,H], selected_lse [T,H] | None); differentiable in q, kv, sink. ``selected_lse``
+        (added): each head's log-sum-exp over the valid idx slots alone, where the backend's forward has it on
+        the way (Triton), else None.
     indexer_topk(q [T,HI,dI], w [T,HI], keys [C,dI], first [T], n_visible [T], topk, max_entries)
         -> idx [T, min(topk, max_entries)] int32 global entry ids, -1 = masked.
-    head_avg_probs(q, kv, idx, scale) -> [T, K] float: the sparse-phase KL teacher.
+    head_avg_probs(q, kv, idx, scale, selected_lse=None) -> [T, K] float: the sparse-phase KL teacher;
+        ``selected_lse`` (added) from the attention on the same q, kv, idx, scale spares it a pass (Triton; the
+        reference recomputes it).
     student_scores(q [T,HI,dI], w [T,HI], keys [C,dI], sel [T,K]) -> [T, K] float32: the sparse-phase KL
         student (indexer scores at the selection); differentiable in q, w, keys.
     logsumexp_target(z [R,V], labels [R]) -> (lse [R], loss [R]) and
@@ -79,17 +83,17 @@ def _triton_backend(requested: str) -> Backend:
 
     def attn(q, kv, idx, sink, scale, ranges=None):
         if ta.supported(q, kv):
-            return ta.sparse_sink_attention(q, kv, idx, sink, scale, ranges)
-        return reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges)
+            return ta.sparse_sink_attention_with_selected_lse(q, kv, idx, sink, scale, ranges)
+        return (*reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges), None)
 
     def topk(q, w, keys, first, n_visible, k, max_entries):
         if ti.supported(q):
             return ti.indexer_topk(q, w, keys, first, n_visible, k, max_entries)
         return reference.indexer_topk(q, w, keys, first, n_visible, k, max_entries)
 
-    def teacher(q, kv, idx, scale):
+    def teacher(q, kv, idx, scale, selected_lse=None):
         if ta.supported(q, kv) and q.dtype != torch.float32:  # fp32: all heads of a query do not fit in smem
-            return ta.head_avg_probs(q, kv, idx, scale)
+            return ta.head_avg_probs(q, kv, idx, scale, selected_lse)
         return reference.head_avg_probs(q, kv, idx, scale)
 
     def student(q, w, keys, sel):
@@ -111,8 +115,14 @@ def _triton_backend(requested: str) -> Backend:
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:
-    return Backend("reference", requested, reason, reference.sparse_sink_attention, reference.indexer_topk,
-                   reference.head_avg_probs, reference.student_scores, reference.logsumexp_target,
+    def attn(q, kv, idx, sink, scale, ranges=None):
+        return (*reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges), None)
+
+    def teacher(q, kv, idx, scale, selected_lse=None):
+        return reference.head_avg_probs(q, kv, idx, scale)
+
+    return Backend("reference", requested, reason, attn, reference.indexer_topk,
+                   teacher, reference.student_scores, reference.logsumexp_target,
                    reference.softmax_grad)
 
 

@@ -9,7 +9,8 @@
   entry are passed as per-query row *ranges* into ``kv_all = cat(kv, comp)``; CSA with an
   indexer passes the top-k as an index table [T, k] (``backend.indexer_topk``);
 * one ``backend.sparse_sink_attention`` call over all T queries (no query chunking);
-* sparse-phase KL: teacher = ``backend.head_avg_probs`` over the selected entries,
+* sparse-phase KL: teacher = ``backend.head_avg_probs`` over the selected entries (given the
+  attention's per-head log-sum-exp over the selection where the backend returns it: one gather less),
   student = ``backend.student_scores``, the indexer scores at the selection (float32 logits,
   recomputed in backward);
 * warm-up KL (teacher over ALL visible entries) is quadratic by definition: it runs the
@@ -122,7 +123,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
                 b_hi = b_lo + nvis
     kv_all = kv if comp is None else torch.cat((kv, comp.to(kv.dtype)))
     ranges = torch.stack((a_lo, e + 1, b_lo, b_hi), 1).to(torch.int32)
-    o, _lse = backend.sparse_sink_attention(q, kv_all, idx, attn.attn_sink, attn.softmax_scale, ranges)
+    o, _lse, selected_lse = backend.sparse_sink_attention(q, kv_all, idx, attn.attn_sink, attn.softmax_scale, ranges)
     o = apply_rope(o.to(x.dtype), cos, sin, inverse=True)
     o = o.view(T, attn.n_groups, H * D // attn.n_groups)
     wo_a = attn.wo_a.weight.view(attn.n_groups, attn.o_lora_rank, -1)
@@ -134,7 +135,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
     if inp is not None:
         if ctx.kl_target == "selected":
             valid = sel >= 0
-            p_t = backend.head_avg_probs(q.detach(), kv_all.detach(), idx, attn.softmax_scale)
+            p_t = backend.head_avg_probs(q.detach(), kv_all.detach(), idx, attn.softmax_scale, selected_lse)
             student = backend.student_scores(inp.q, inp.w, inp.keys, sel)
             kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
         else:

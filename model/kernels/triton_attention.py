@@ -79,18 +79,35 @@ def _fwd_tile(q, KV, rows, valid, m, l, acc, qk_scale, offs_d, dv0,
 
 
 @triton.jit
-def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk_scale,
+def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, LSE_SEL, K_SEL, sq_t, sq_h, so_t, so_h, qk_scale,
                 H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
                 HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr):
+    """The selected slots go first, from an empty softmax state, so that after them (m, l) is the log-sum-exp
+    over the selection alone (written to LSE_SEL: the KL teacher's normaliser); the sink and the ranges follow."""
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
     q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
-    m = tl.load(SINK + offs_h).to(tl.float32) * 1.4426950408889634
+    sink = tl.load(SINK + offs_h).to(tl.float32) * 1.4426950408889634
+    m = sink
     l = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, DV], tl.float32)
+    if HAS_IDX:
+        m = tl.full([BH], -1.0e30, tl.float32)
+        l = tl.zeros([BH], tl.float32)
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            m, l, acc = _fwd_tile(q, KV, rows, rows >= 0, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
+        if tl.program_id(1) == 0:
+            tl.store(LSE_SEL + t * H + offs_h, (m + tl.math.log2(tl.maximum(l, 1e-30))) / 1.4426950408889634)
+        m_new = tl.maximum(m, sink)  # then the sink, as one more logit
+        alpha = tl.math.exp2(m - m_new)
+        l = l * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m = m_new
     if HAS_RNG:
         for r in tl.static_range(2):
             lo = tl.load(RNG + t * 4 + 2 * r)
@@ -98,11 +115,6 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, K_SEL, sq_t, sq_h, so_t, so_h, qk
             for start in range(lo, hi, BN):
                 rows = start + offs_n
                 m, l, acc = _fwd_tile(q, KV, rows, rows < hi, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
-    if HAS_IDX:
-        for start in range(0, K_SEL, BN):
-            sel = start + offs_n
-            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-            m, l, acc = _fwd_tile(q, KV, rows, rows >= 0, m, l, acc, qk_scale, offs_d, dv0, D, DV, PREC)
     out = acc / l[:, None]
     offs_v = dv0 + tl.arange(0, DV)
     tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_v[None, :], out.to(O.dtype.element_ty))
@@ -206,26 +218,31 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
 
 
 @triton.jit
-def _teacher(Q, KV, IDX, OUT, K_SEL, sq_t, sq_h, qk_scale,
-             H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+def _teacher(Q, KV, IDX, LSE_SEL, OUT, K_SEL, sq_t, sq_h, qk_scale,
+             H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HAS_LSE: tl.constexpr):
+    """HAS_LSE: the per-head log-sum-exp over the selection comes from the attention forward (LSE_SEL [T, H],
+    natural log) and one pass over the gathered rows remains; else a first pass computes it."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, H)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BN)
     q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
-    m = tl.full([H], -1.0e30, tl.float32)
-    l = tl.zeros([H], tl.float32)
-    for start in range(0, K_SEL, BN):
-        sel = start + offs_n
-        rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-        valid = rows >= 0
-        kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
-        m = m_new
-    lse2 = m + tl.math.log2(tl.maximum(l, 1e-30))
+    if HAS_LSE:
+        lse2 = tl.load(LSE_SEL + t * H + offs_h) * 1.4426950408889634
+    else:
+        m = tl.full([H], -1.0e30, tl.float32)
+        l = tl.zeros([H], tl.float32)
+        for start in range(0, K_SEL, BN):
+            sel = start + offs_n
+            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+            valid = rows >= 0
+            kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
+            m = m_new
+        lse2 = m + tl.math.log2(tl.maximum(l, 1e-30))
     for start in range(0, K_SEL, BN):
         sel = start + offs_n
         rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
@@ -246,19 +263,27 @@ def _prep(q, kv, idx, ranges):
 
 
 def attention_fwd(q, kv, idx, sink, scale, ranges=None):
+    """(out [T, H, D] like q, lse [T, H] float32) of :func:`sparse_sink_attention`, no autograd."""
+    return _forward(q, kv, idx, sink, scale, ranges)[:2]
+
+
+def _forward(q, kv, idx, sink, scale, ranges):
+    """(out, lse, selected_lse [T, H] float32: the log-sum-exp over the valid selected slots alone, -1e30 for a
+    row without one or without ``idx``)."""
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
     cfg = CONFIGS["fwd"][_kind(q.dtype)]
     DV = D // cfg["n_split"]
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    lse_sel = torch.empty(T, H, dtype=torch.float32, device=q.device) if has_idx else lse.new_full((T, H), -1e30)
     if T:
         _sparse_fwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
-            q, kv, idx_t, rng_t, sink.float().contiguous(), out, lse, K, q.stride(0), q.stride(1),
+            q, kv, idx_t, rng_t, sink.float().contiguous(), out, lse, lse_sel, K, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), scale * LOG2E, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H),
             HAS_IDX=has_idx,
             HAS_RNG=has_rng, PREC=_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out, lse
+    return out, lse, lse_sel
 
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
@@ -295,13 +320,14 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
 
 @torch.library.custom_op("v4launch::sparse_sink_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: Optional[torch.Tensor],
-                  ranges: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_fwd(q, kv, idx, sink, scale, ranges)
+                  ranges: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(q, kv, idx, sink, scale, ranges)
 
 
 @_attention_op.register_fake
 def _attention_shapes(q, kv, sink, idx, ranges, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:2], dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32))
 
 
 @torch.library.custom_op("v4launch::sparse_sink_attention_backward", mutates_args=())
@@ -321,13 +347,13 @@ def _attention_backward_shapes(q, kv, sink, idx, ranges, out, lse, dout, scale):
 
 def _attention_save(ctx, inputs, output) -> None:
     q, kv, sink, idx, ranges, scale = inputs
-    out, lse = output
+    out, lse, selected_lse = output
     ctx.save_for_backward(q, kv, sink, idx, ranges, out, lse)
     ctx.scale = scale
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, selected_lse)
 
 
-def _attention_grads(ctx, dout, _dlse):
+def _attention_grads(ctx, dout, _dlse, _dselected_lse):
     q, kv, sink, idx, ranges, out, lse = ctx.saved_tensors
     dq, dkv, dsink = _attention_backward_op(q, kv, sink, idx, ranges, out, lse, dout, ctx.scale)
     return dq, dkv, dsink, None, None, None
@@ -346,30 +372,47 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch
     caller (a block of ``compile.compile_blocks``) keeps one graph around it and calls the operator,
     which launches the kernels as written (dynamo never traces into them: traced, it had typed the Python
     float ``scale`` as fp64 inside the kernel, and Triton refused the loop-carried softmax maximum)."""
+    return _attention_op(q, kv, sink, idx, ranges, float(scale))[:2]
+
+
+def sparse_sink_attention_with_selected_lse(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor],
+                                            sink: torch.Tensor, scale: float, ranges: Optional[torch.Tensor] = None
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sparse_sink_attention` plus ``selected_lse`` [T, H] float32 (no gradient): each head's log-sum-exp
+    of ``scale * q.kv`` over the valid slots of ``idx`` alone (no sink, no ranges; -1e30 where a row has none),
+    which the forward kernel has on the way (it visits the selection first). :func:`head_avg_probs` given it
+    gathers the selected rows once instead of twice."""
     return _attention_op(q, kv, sink, idx, ranges, float(scale))
 
 
 @torch.library.custom_op("v4launch::head_avg_probs", mutates_args=())
-def _teacher_op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+def _teacher_op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float,
+                selected_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     q, kv = q.contiguous(), kv.contiguous()
     T, H, D = q.shape
     K = idx.shape[1]
     out = torch.empty(T, K, dtype=torch.float32, device=q.device)
+    has_lse = selected_lse is not None
+    lse_t = selected_lse.float().contiguous() if has_lse else out.new_zeros(1)
     if T and K:
         cfg = CONFIGS["teacher"][_kind(q.dtype)]
-        _teacher[(T,)](q, kv, idx.to(torch.int32).contiguous(), out, K, q.stride(0), q.stride(1), scale * LOG2E,
-                       H=H, D=D, BN=cfg["BN"], PREC=_prec(q.dtype), num_warps=cfg["num_warps"],
-                       num_stages=cfg["num_stages"])
+        _teacher[(T,)](q, kv, idx.to(torch.int32).contiguous(), lse_t, out, K, q.stride(0), q.stride(1),
+                       scale * LOG2E, H=H, D=D, BN=cfg["BN"], PREC=_prec(q.dtype), HAS_LSE=has_lse,
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 @_teacher_op.register_fake
-def _teacher_shapes(q, kv, idx, scale):
+def _teacher_shapes(q, kv, idx, scale, selected_lse=None):
     return q.new_empty((q.shape[0], idx.shape[1]), dtype=torch.float32)
 
 
-def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` (two passes:
-    per-head log-sum-exp, then the head-averaged probabilities) -> [T, K] float32, no gradient (the
-    KL teacher). A custom operator (``torch.ops.v4launch.head_avg_probs``), as :func:`sparse_sink_attention`."""
-    return _teacher_op(q.detach(), kv.detach(), idx, float(scale))
+def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float,
+                   selected_lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Triton version of :func:`v4launch.model.kernels.reference.head_avg_probs` -> [T, K] float32, no gradient
+    (the KL teacher): per-head log-sum-exp over the selection, then the head-averaged probabilities. Given
+    ``selected_lse`` [T, H] (from :func:`sparse_sink_attention_with_selected_lse` on the same q, kv, idx and
+    scale) the first of those two passes over the gathered rows is skipped. A custom operator
+    (``torch.ops.v4launch.head_avg_probs``), as :func:`sparse_sink_attention`."""
+    lse = None if selected_lse is None else selected_lse.detach()
+    return _teacher_op(q.detach(), kv.detach(), idx, float(scale), lse)

@@ -8,9 +8,16 @@ one program per query row, the K selected entries in blocks of ``BK``:
   ReLU and the head weights fused; nothing but the [T, K] scores is written;
 * backward: recompute the block's logits, then ``dw`` and ``dq`` accumulate in registers and the
   key gradient of the block, ``gl^T q`` [BK, dI], is added to a float32 [C, dI] buffer with
-  relaxed atomics (rows of one query are distinct entries; rows of different queries collide).
-  Its two matrix products run in float32 (``ieee``): the gradient ``p_s - p_t`` is small and
-  would lose its low bits in bf16.
+  relaxed ``red.global.add.v2.f32`` reductions on column pairs (``triton_attention._red_add_rows``;
+  rows of one query are distinct entries; rows of different queries collide).
+  Its two matrix products, ``gl kt^T`` and ``gl^T q``, must not round the float32 ``gl`` to bf16 (the
+  gradient ``p_s - p_t`` would lose its low bits). For bf16 operands each runs as two bf16
+  tensor-core products over ``gl = hi + lo`` (``hi = bf16(gl)``, ``lo = bf16(gl - hi)``): q and the
+  keys are exact in bf16 and ``hi + lo`` carries 16 of gl's 24 significand bits, so the sums differ
+  from float32 math by ~2^-17 relative per term, below the bf16 rounding of dq and d keys themselves
+  (the split-operand scheme of "3xTF32"-style emulation, with bf16 parts). Before this the products
+  ran in float32 on the CUDA cores (``ieee``, still used for fp16 / fp32 operands), about 4 ms per CSA
+  layer of the benchmark's backward.
 
 The reference (``reference.student_scores``) materialises the gathered keys and the per-slot key
 gradient, [rows, K, dI] float32 each, and scatters the latter with ``index_add_``. At the benchmark's
@@ -28,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .triton_attention import _red_add_rows
 
 BK = 64
 
@@ -52,7 +61,8 @@ def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
 
 @triton.jit
 def _student_bwd(Q, W, KEYS, SEL, G, DQ, DW, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t,
-                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+                 USE_ASM: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HI)
     offs_d = tl.arange(0, DI)
@@ -72,9 +82,16 @@ def _student_bwd(Q, W, KEYS, SEL, G, DQ, DW, DKEYS, K, sq_t, sq_h, sw_t, ss_t, s
         g = tl.load(G + r * sg_t + ks, mask=ok, other=0.0).to(tl.float32)  # [BK], 0 at masked slots
         dw += tl.sum(tl.maximum(logits, 0.0) * g[None, :], 1)
         gl = tl.where(logits > 0, w[:, None] * g[None, :], 0.0)  # [HI, BK] d logits
-        dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")  # [HI, DI]
-        dk = tl.dot(tl.trans(gl), qf, input_precision="ieee")  # [BK, DI]
-        tl.atomic_add(DKEYS + ent[:, None] * DI + offs_d[None, :], dk, mask=ok[:, None], sem="relaxed")
+        if SPLIT:  # gl = hi + lo, both bf16: two tensor-core products each, every product exact
+            gl_hi = gl.to(tl.bfloat16)
+            gl_lo = (gl - gl_hi.to(tl.float32)).to(tl.bfloat16)
+            dq = tl.dot(gl_lo, tl.trans(kt), dq)
+            dq = tl.dot(gl_hi, tl.trans(kt), dq)  # [HI, DI]
+            dk = tl.dot(tl.trans(gl_hi), q, tl.dot(tl.trans(gl_lo), q))  # [BK, DI]
+        else:
+            dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")  # [HI, DI]
+            dk = tl.dot(tl.trans(gl), qf, input_precision="ieee")  # [BK, DI]
+        _red_add_rows(DKEYS, ent, ok, dk, 0, DI, USE_ASM)
     tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
     tl.store(DW + r * HI + offs_h, dw)
 
@@ -107,10 +124,23 @@ def _student_shapes(q, w, keys, sel):
     return q.new_empty((q.shape[0], sel.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("v4launch::student_scores_backward", mutates_args=())
-def _student_backward_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor,
-                         g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor,
+                            g: torch.Tensor, *, split: bool | None = None, vector_red: bool | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`student_scores` given ``g`` = d loss / d scores [T, K]: (dq [T, HI, dI] like q,
+    dw [T, HI] like w, d keys [C, dI] like keys). The defaults are what the training step runs; the two switches
+    exist for benchmarks/student_kernel.py, which times each against the other:
+
+    * ``split``: the two gradient products as bf16 hi + lo pairs on the tensor cores (default for bf16
+      operands) instead of float32 on the CUDA cores (``ieee``: the default for fp16 / fp32);
+    * ``vector_red``: the key gradient added with ``red.global.add.v2.f32`` on column pairs
+      (``triton_attention._red_add_rows``; default on CUDA) instead of ``tl.atomic_add`` per element.
+
+    Raises: ValueError for ``split=True`` with operands that are not bf16."""
     qc, wc, kc, selc = _operands(q, w, keys, sel)
+    split = qc.dtype == torch.bfloat16 if split is None else split
+    if split and qc.dtype != torch.bfloat16:
+        raise ValueError(f"student backward: split=True needs bf16 q and keys, got {qc.dtype}")
     T, HI, DI = qc.shape
     K = selc.shape[1]
     g = g.to(torch.float32).contiguous()
@@ -119,11 +149,18 @@ def _student_backward_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, s
     dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
     if T and K:
         _student_bwd[(T,)](qc, wc, kc, selc, g, dq, dw, dkeys, K, qc.stride(0), qc.stride(1), wc.stride(0),
-                           selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), num_warps=4)
+                           selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), SPLIT=split,
+                           USE_ASM=qc.is_cuda if vector_red is None else vector_red, num_warps=4)
     else:
         dq.zero_()
         dw.zero_()
     return dq.to(q.dtype), dw.to(w.dtype), dkeys.to(keys.dtype)
+
+
+@torch.library.custom_op("v4launch::student_scores_backward", mutates_args=())
+def _student_backward_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor,
+                         g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return student_scores_backward(q, w, keys, sel, g)
 
 
 @_student_backward_op.register_fake

@@ -52,7 +52,8 @@ def loss_and_grads(model, batch):
 def main(seed: int) -> dict:
     # the Triton entry points themselves (their CUDA checks would route CPU tensors to the reference code)
     backend = dispatch.Backend("triton", "triton", "Triton interpreter",
-                               counted("attention", ta.sparse_sink_attention), counted("topk", ti.indexer_topk),
+                               counted("attention", ta.sparse_sink_attention_with_selected_lse),
+                               counted("topk", ti.indexer_topk),
                                counted("teacher", ta.head_avg_probs), counted("student", ts.student_scores),
                                counted("lse", tce.logsumexp_target), counted("ce_grad", tce.softmax_grad))
     model_module.select_backend = lambda name, device: backend

@@ -69,6 +69,14 @@ def attention_cases(seed: int) -> dict:
         dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
         res[f"single_pass/{mode}"] = dict(out=rel(out, out_t), lse=rel(lse, lse_t), dq=rel(dq, dq_t),
                                           dkv=rel(dkv, dkv_t), dsink=rel(dsink, dsink_t))
+        if idx is not None:  # the forward's log-sum-exp over the selection alone (the KL teacher's normaliser)
+            _, _, sel_lse = ta.sparse_sink_attention_with_selected_lse(q, kv, idx, sink, scale, ranges)
+            ok = idx >= 0
+            logits = torch.einsum("thd,tkd->thk", q.double(), kv.double()[idx.long().clamp_min(0)]) * scale
+            truth = logits.masked_fill(~ok[:, None, :], float("-inf")).logsumexp(-1)
+            rows = ok.any(1)
+            res[f"single_pass/{mode}"]["selected_lse"] = rel(sel_lse[rows], truth[rows])
+            res[f"single_pass/{mode}"]["selected_lse_empty_rows"] = float((sel_lse[~rows] > -1e29).sum())
 
         # Two-pass backward: the bf16-only gate exists for the GPU's shared memory, which the
         # interpreter does not have, so float32 runs it here; H = 128 is two head blocks, and the
@@ -97,6 +105,8 @@ def teacher_and_indexer_cases(seed: int) -> dict:
     q, kv, _, idx, _ = problem(g, T=24, H=16, D=32, N=120, K=20, mode="idx")
     p = ta.head_avg_probs(q, kv, idx, 32 ** -0.5)
     p_t = ref.head_avg_probs(q.double(), kv.double(), idx, 32 ** -0.5)
+    _, _, sel_lse = ta.sparse_sink_attention_with_selected_lse(q, kv, idx, torch.zeros(16), 32 ** -0.5)
+    p_one_pass = ta.head_avg_probs(q, kv, idx, 32 ** -0.5, sel_lse)  # the normaliser from the attention forward
     R, HI, DI, C = 40, 8, 32, 70
     qi, w, keys = torch.randn(R, HI, DI, generator=g), torch.randn(R, HI, generator=g), torch.randn(C, DI, generator=g)
     first = torch.randint(0, 20, (R,), generator=g)
@@ -105,7 +115,7 @@ def teacher_and_indexer_cases(seed: int) -> dict:
     s_t = ref.indexer_scores(qi.double(), w.double(), keys.double(), first, n_vis, 10, 60)
     same_inf = bool(torch.equal(torch.isinf(s), torch.isinf(s_t)))
     fin = torch.isfinite(s_t)
-    return {"teacher": dict(probs=rel(p, p_t)),
+    return {"teacher": dict(probs=rel(p, p_t), probs_given_selected_lse=rel(p_one_pass, p_t)),
             "indexer_scores": dict(scores=rel(s[fin], s_t[fin]), masked_differ=0.0 if same_inf else 1.0)}
 
 
@@ -198,7 +208,7 @@ def opcheck_case(seed: int) -> dict:
     idx[1, 2:] = -1
     t = torch.arange(T)
     ranges = torch.stack((t, t + 3, t * 0, t * 0), 1).int()
-    out, lse = ta.sparse_sink_attention(q, kv, idx, sink, 0.2, ranges)
+    out, lse, sel_lse = ta.sparse_sink_attention_with_selected_lse(q, kv, idx, sink, 0.2, ranges)
     dout = torch.randn(T, H, D, generator=g)
     HI, DI, C = 16, 16, 12
     iq = torch.randn(T, HI, DI, generator=g).requires_grad_()
@@ -213,6 +223,8 @@ def opcheck_case(seed: int) -> dict:
                                            (q.detach(), kv.detach(), sink.detach(), idx, ranges, out.detach(),
                                             lse, dout, 0.2)),
         "head_avg_probs": (torch.ops.v4launch.head_avg_probs.default, (q.detach(), kv.detach(), idx, 0.2)),
+        "head_avg_probs given selected_lse": (torch.ops.v4launch.head_avg_probs.default,
+                                              (q.detach(), kv.detach(), idx, 0.2, sel_lse.detach())),
         "indexer_topk": (torch.ops.v4launch.indexer_topk.default,
                          (iq.detach(), iw.detach(), keys.detach(), first, n_visible, 4, 12)),
         "student_scores": (torch.ops.v4launch.student_scores.default, (iq, iw, keys, sel)),
