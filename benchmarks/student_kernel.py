@@ -5,8 +5,10 @@
 
 Why: the student backward was 17.8 ms of the compiled sparse step's ~155 ms of kernels on an H200 (four CSA
 layers; benchmarks/results/train_step_h200.md). This times its forward and its backward with the two
-gradient products as bf16 hi + lo pairs on the tensor cores (``split``, the default for bf16) and as float32
-on the CUDA cores (``ieee``), and states each one's error against float64 math on the same bf16 inputs.
+gradient products as bf16 hi + lo pairs on the tensor cores (``split``, the default for bf16) or as float32
+on the CUDA cores (``ieee``), the key gradient added by ``red.global.add.v2.f32`` or by ``tl.atomic_add``
+(``ieee + atomic`` is the kernel before 2026-12-02), and states each one's error against float64 math on the
+same bf16 inputs.
 
 Selection: each row selects min(K, visible) compressed entries of its own sequence (compress ratio 4,
 causal): all visible entries in order while they are fewer than K, else K of them at random. Neighbouring
@@ -95,11 +97,13 @@ def main() -> None:
 
     fwd_ms = timed(lambda: ts.student_scores(q, w, keys, sel), a.warmup, a.iters)
     rows = [dict(variant="forward", ms=fwd_ms, ms_per_step=fwd_ms * a.layers)]
-    for split in (True, False):
-        ms = timed(lambda: ts.student_scores_backward(q, w, keys, sel, g, split=split), a.warmup, a.iters)
-        got = ts.student_scores_backward(q, w, keys, sel, g, split=split)
-        rows.append(dict(variant="backward split" if split else "backward ieee", ms=ms, ms_per_step=ms * a.layers,
-                         **{f"rel_{n}": rel(x, t) for n, x, t in zip(("dq", "dw", "dkeys"), got, truth)}))
+    for name, split, red in (("bwd split+red.v2", True, True), ("bwd ieee+red.v2", False, True),
+                             ("bwd ieee+atomic", False, False)):  # the last: the kernel before 2026-12-02
+        def run():
+            return ts.student_scores_backward(q, w, keys, sel, g, split=split, vector_red=red)
+        ms = timed(run, a.warmup, a.iters)
+        rows.append(dict(variant=name, ms=ms, ms_per_step=ms * a.layers,
+                         **{f"rel_{n}": rel(x, t) for n, x, t in zip(("dq", "dw", "dkeys"), run(), truth)}))
     print(f"student kernels: rows {a.rows} (sequences of {a.seq}), HI {a.heads}, dI {a.head_dim}, K {a.topk}, "
           f"{entries} entries, {torch.cuda.get_device_name()}")
     print(f"{'variant':16s} {'ms/call':>8s} {'ms/step':>8s} {'rel dq':>9s} {'rel dw':>9s} {'rel dkeys':>9s}")
