@@ -10,14 +10,15 @@ Graph breaks remain where a block leaves tensor land, so the default is ``fullgr
 pieces between them (norms, mHC, RoPE, SwiGLU, router, casts) become fused kernels:
 
 * the sequence balance loss (``moe.sequence_balance_loss``, ``torch.compiler.disable``d: inductor once
-  computed it wrong on the H200); the Triton attention, indexer and KL kernels are NOT breaks: their
+  computed it wrong on the H200) and the warm-up KL (``kernels.layer._warmup_kl``, ``torch.compiler.disable``d:
+  its chunks' entry ranges are host ints, read once per call; traced, it broke the graph twice per chunk and
+  recompiled for each new range); the Triton attention, indexer and KL kernels are NOT breaks: their
   entry points (``kernels.triton_attention.sparse_sink_attention``, ``head_avg_probs``,
   ``kernels.triton_indexer.indexer_topk``, ``kernels.triton_student.student_scores``) call custom
   operators (``torch.ops.v4launch.*``) that the graph calls as opaque operations, so dynamo never traces
   into a kernel (traced, Triton refused the kernel: a Python float argument became fp64) and a CSA block
   keeps one graph instead of splitting around each kernel call;
-* host-side ranges (the reference path's attention chunks and indexer row ranges, the warm-up KL's
-  entry ranges), and the per-expert loop of the CPU / float32 expert path (split sizes read on the host).
+* host-side ranges (the reference path's attention chunks and indexer row ranges), and the per-expert loop of the CPU / float32 expert path (split sizes read on the host).
 
 Recompilation: the blocks share code, so dynamo keeps one cache entry per kind of block (SWA with
 a hash router, CSA with an indexer, HCA, MTP, and the first layer of each kind, which fills the

@@ -49,21 +49,37 @@ def kl_from_probs(p_t: torch.Tensor, student: torch.Tensor, valid: torch.Tensor)
     return kl_from_teacher_probs(p_t, student, valid)
 
 
+def warmup_chunks(first: torch.Tensor, nvis: torch.Tensor, rows_per: int) -> list[tuple[int, int, int, int]]:
+    """The warm-up KL's query chunks: (r0, r1, lo, hi) per ``rows_per`` rows, [lo, hi) the global entry ids any
+    query of rows r0..r1-1 sees (``first`` [T], ``nvis`` [T] as in :func:`_warmup_kl`), chunks that see no entry
+    left out. ONE host read for all chunks (it was two per chunk)."""
+    T = first.shape[0]
+    if not T:
+        return []
+    starts = torch.arange(0, T, rows_per, device=first.device)
+    end = (first + nvis).long()
+    pad = (-T) % rows_per
+    ends = torch.cat((end, end.new_full((pad,), torch.iinfo(torch.int64).min))).view(-1, rows_per).amax(1)
+    bounds = torch.stack((first[starts].long(), ends)).tolist()
+    return [(r0, min(T, r0 + rows_per), lo, max(lo, hi)) for r0, lo, hi in zip(range(0, T, rows_per), *bounds)
+            if hi > lo]
+
+
+@torch.compiler.disable  # host-side chunk bounds: dynamo would break the graph at the read and specialise on them
 def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tensor, nvis: torch.Tensor,
                max_entries: int) -> tuple[Optional[torch.Tensor], torch.Tensor | int]:
-    """Warm-up KL: teacher over every visible entry (reference math, chunked; quadratic compute)."""
+    """Warm-up KL: teacher over every visible entry (reference math, chunked; quadratic compute).
+
+    Runs eagerly inside a compiled block (``torch.compiler.disable``): its chunks' entry ranges are host ints
+    (one read per call, :func:`warmup_chunks`), on which a traced version broke the graph twice per chunk and
+    recompiled for each new value (the compiled warm-up step did not finish compiling in 240 s on an H200);
+    its work is a few large einsums per chunk, which gain little from fusion."""
     T, H = q.shape[0], q.shape[1]
     acc = acc_dtype(q.dtype)
-    end = (first + nvis).long()
     rows_per = max(16, min(T, 2 ** 26 // max(1, H * max_entries)))
     total, count = None, 0
     j = torch.arange(max_entries, device=q.device)
-    for r0 in range(0, T, rows_per):
-        r1 = min(T, r0 + rows_per)
-        lo = int(first[r0])
-        hi = max(lo, int(end[r0:r1].max()))
-        if hi == lo:
-            continue
+    for r0, r1, lo, hi in warmup_chunks(first, nvis, rows_per):
         vis_valid = j[None, :] < nvis[r0:r1, None]
         vis_rel = (first[r0:r1, None] - lo + j[None, :]) * vis_valid
         with torch.no_grad():

@@ -113,3 +113,25 @@ def test_masked_kl_matches_the_row_loop_and_gives_finite_gradients(gen):
     none, n0 = kl_teacher_student(teacher, student, torch.zeros_like(valid))
     (g0,) = torch.autograd.grad(none, student)
     assert none.item() == 0.0 and int(n0) == 0 and torch.isfinite(g0).all() and not g0.any()
+
+
+def test_the_warmup_kl_reads_its_chunk_ranges_once_per_layer(gen, monkeypatch):
+    """The fused-kernel layer (kernels/layer.py, here over the reference functions as a stand-in backend) in the
+    warm-up phase: the KL's query chunks read their entry ranges in ONE transfer per CSA layer
+    (``warmup_chunks``), not two per chunk; the layer file reads nothing else."""
+    import dataclasses
+
+    from v4launch.model import model as model_module
+    from v4launch.model.kernels import dispatch
+
+    stand_in = dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton")
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: stand_in)
+    model = build(tiny_args(), "warmup", gen, dtype=torch.float32, kernel_backend="triton")
+    tokens, cu, max_seqlen, labels = packed_batch([37, 20, 9], model.args.vocab_size, gen)
+    seen: collections.Counter = collections.Counter()
+    with _Methods(seen), _Reads(seen):
+        out = model(tokens, cu, max_seqlen, labels)
+        (out.lm_loss + sum(out.aux_losses.values())).backward()
+    indexed = sum(1 for m in model.modules() if getattr(m, "indexer", None) is not None)  # CSA layers
+    layer = {k: v for k, v in seen.items() if k.startswith("layer.py")}
+    assert indexed >= 1 and layer == {"layer.py:warmup_chunks": indexed}, (indexed, dict(seen))
