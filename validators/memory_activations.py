@@ -12,7 +12,8 @@ Per decoder / MTP layer and token (bytes), by region (the names ``parallel.recom
 * mHC (model/mhc.py): each of the two mixings saves its input streams [hc, d] (the projection GEMM's
   operand, shared with ``hc_post``'s residual), ``hc_post`` saves the sub-layer output [d] and the
   fp32 mixes, post and comb weights: 2·(a·hc·d + a·d + 4·((2+hc)·hc + hc + hc²)). Sinkhorn's 20 rounds
-  run in a compiled region on CUDA (recomputed, not saved).
+  save nothing on CUDA (model/kernels/triton_sinkhorn.py: one kernel each way, the backward recomputes the
+  rounds from the [hc, hc] logits, counted in the fp32 term).
 * norms, ``layernorm`` (common.RMSNorm, attn_norm and ffn_norm): an fp32 copy of the input and the fp32
   normalised value: 2·8d; recomputed: the region input 2·a·d.
 * attention (attention.py / kernels/layer.py): normed input a·d; q_norm 8q; qr a·q; the query
