@@ -1,7 +1,7 @@
 """User-facing errors. The CLI's single handler turns each into a message, a hint and an exit code.
 
 Exit codes (documented in the README): 0 ok, 1 contract violation / refused action /
-failed run, 2 unreadable recipe or usage error.
+failed run, 2 unreadable recipe or usage error, 130 a run stopped by a signal (Ctrl-C, kill).
 """
 
 from __future__ import annotations
@@ -40,3 +40,10 @@ class ContractViolation(V4LaunchError):
 
 class RefusedError(V4LaunchError):
     """An action was refused to protect a run (unsafe resume, dirty tree, …) (exit 1)."""
+
+
+class InterruptedRun(V4LaunchError):
+    """A run stopped by a signal (Ctrl-C, kill) before its workers could save or report a result (exit 130,
+    the shell's code for an interrupt): not a failure of the run."""
+
+    exit_code = 130

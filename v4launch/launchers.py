@@ -34,7 +34,7 @@ from .training.result import TrainResult
 
 RUNNING = "running"
 _FRESH = {"cancel_requested": False, "error": None, "failure": None, "failed_rank": None, "exit_codes": None,
-          "log": None}
+          "log": None, "stopped_while_starting": False}
 """launch.json keys a new launch resets (what an earlier attempt recorded about its end)."""
 FINAL_STATES = ("completed", "stage_completed", "stopped", "max_steps", "failed")
 
@@ -218,16 +218,16 @@ def describe_failure(codes: list[int], exit_order: list[int], logs: Path) -> dic
     Returns:
         ``{"failed_rank", "failure", "log"}``: the rank, a sentence (its exit code or signal, then
         how the other ranks ended), and its output ``logs/worker<R>.out`` (stdout and stderr: the
-        traceback), or its ``logs/rank<R>.log`` when that output is empty (a rank killed by a signal
-        wrote no error: its log says how far it got).
+        traceback), or its ``logs/rank<R>.log`` when that output is empty and the log exists (a rank
+        killed by a signal wrote no error: its log says how far it got).
     """
     order = exit_order + [r for r in range(len(codes)) if r not in exit_order]
     rank = next((r for r in order if codes[r] != 0), 0)
     others = [f"rank {r} {exit_words(codes[r])}" for r in order if r != rank]
     what = (f"rank {rank} {exit_words(codes[rank])}" if codes[rank] != 0
             else "rank 0 exited without a result") + (f" first; then {', '.join(others)}" if others else "")
-    out = logs / f"worker{rank}.out"
-    log = out if log_tail(out, 1) else logs / f"rank{rank}.log"
+    out, rank_log = logs / f"worker{rank}.out", logs / f"rank{rank}.log"
+    log = rank_log if not log_tail(out, 1) and rank_log.is_file() else out
     return {"failed_rank": rank, "failure": what, "log": str(log)}
 
 
@@ -319,9 +319,11 @@ class LocalLauncher(Launcher):
                       result=None, **_FRESH)
         previous = _sigterm_as_interrupt()  # `kill` of this process stops the workers like Ctrl-C does
         exit_order: list[int] = []  # ranks in the order they exited (the first failure is the cause)
+        interrupted = False
         try:
             codes = self._wait_echoing(procs, rank0_out, echo_from, exit_order)
         except KeyboardInterrupt:
+            interrupted = True
             if previous is not None:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
             for p in procs:
@@ -331,6 +333,8 @@ class LocalLauncher(Launcher):
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         result_file = logs / "result.rank0.json"
+        if interrupted and (any(codes) or not result_file.is_file()):
+            self._interrupted_while_starting(run_dir, codes)
         if any(codes) or not result_file.is_file():
             failure = describe_failure(codes, exit_order, logs)
             record_launch(run_dir, state="failed", exit_codes=codes, **failure)
@@ -340,6 +344,25 @@ class LocalLauncher(Launcher):
         result = TrainResult.from_json(json.loads(result_file.read_text()))
         record_launch(run_dir, state=result.status, result=result.to_json(), exit_codes=codes)
         return result
+
+    @staticmethod
+    def _interrupted_while_starting(run_dir: Path, codes: list[int]) -> None:
+        """Ctrl-C / kill reached the workers before their signal handlers were in place (they install them as
+        training starts; after that a signal makes them save and return 'stopped'): they died of the signal,
+        with nothing saved by this launch. Recorded as 'stopped' (``status``: cancelled), not as a failure.
+
+        Raises:
+            InterruptedRun: always (exit 130), with the command that continues or restarts the run.
+        """
+        from .errors import InterruptedRun
+
+        saved = latest_checkpoint_path(run_dir)
+        record_launch(run_dir, state="stopped", exit_codes=codes, stopped_while_starting=True)
+        hint = (f"continue from {saved.name} with `v4launch resume '{run_dir}'`" if saved else
+                f"start it again: `v4launch run '{RunPaths(run_dir).recipe}'` (a new run of the same recipe)")
+        raise InterruptedRun(f"run {run_dir.name} was stopped by a signal (Ctrl-C or kill) while its workers were "
+                             f"starting: no step of this launch was saved (worker exits: "
+                             f"{', '.join(exit_words(c) for c in codes)})", hint=hint)
 
     @staticmethod
     def _wait_echoing(procs: list[subprocess.Popen], rank0_out: Path, offset: int, exit_order: list[int],
@@ -403,6 +426,8 @@ class LocalLauncher(Launcher):
         if state == "stopped":
             state = "cancelled"
             detail["cancelled_by"] = "v4launch cancel" if launch.get("cancel_requested") else "a signal (Ctrl-C or kill)"
+            if launch.get("stopped_while_starting"):
+                detail["cancelled_by"] += " while the workers were starting, before this launch saved anything"
         if state == "failed":
             detail.update({k: launch[k] for k in ("failed_rank", "failure", "exit_codes", "log") if launch.get(k) is not None})
             detail.setdefault("failure", launch.get("error") or "failed (no detail recorded)")
@@ -427,11 +452,12 @@ class LocalLauncher(Launcher):
             os.kill(pid, signal.SIGTERM)
 
     def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """rank0.log (then the other ranks' logs); with ``follow``, until the run leaves 'running'."""
+        """rank0.log (then the other ranks' logs; the workers' stdout / stderr files when no rank logged yet);
+        with ``follow``, until the run leaves 'running'."""
         logs = RunPaths(Path(run_dir)).logs
         paths = sorted(logs.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
-        if not paths:
-            paths = [logs / "rank0.log"]
+        if not paths:  # stopped before any rank logged: the workers' own output (e.g. a traceback at start-up)
+            paths = sorted(logs.glob("worker*.out"), key=lambda p: (len(p.name), p.name)) or [logs / "rank0.log"]
         yield from follow_files(paths, (lambda: self.status(run_dir).state == RUNNING) if follow else (lambda: False))
 
 

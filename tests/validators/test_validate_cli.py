@@ -266,3 +266,10 @@ def test_set_at_names_the_override_that_caused_a_finding_on_another_field(in_tmp
     code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.ep=7", "--json"])
     v = next(v for v in json.loads(out)["violations"] if v["rule_id"] == "V4-EP-EXPERTS")
     assert v["source"] == "override parallel.ep=7"
+
+
+def test_checkpoint_import_of_a_missing_directory_is_a_usage_error_said_first(in_tmp: Path):
+    """A mistyped released-checkpoint path: exit 2 (a usage error, as every other wrong path), and said before
+    any line about which recipe would have been used."""
+    code, out, err, _ = invoke(["checkpoint", "import", str(in_tmp / "nope")])
+    assert code == 2 and "no such directory" in err and "recipe" not in out + err.split("hint:")[0]

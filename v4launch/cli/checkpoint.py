@@ -47,8 +47,12 @@ def import_cmd(path: Annotated[Path, typer.Argument(help="Released checkpoint di
     from ..checkpoints.released_config import compare_with_recipe, read_config
     from ..checkpoints.released_import import import_released
     from ..training.model_adapter import RECIPE_PATHS, model_args_from_recipe
+    from ..errors import UsageError
     from .data import load_recipe_for_data
 
+    if not Path(path).is_dir():  # a mistyped path: said before the workspace's recipe is looked up, as usage
+        raise UsageError(f"{path}: no such directory", hint="pass the released checkpoint's directory (config.json, "
+                         "model.safetensors.index.json and the shards)")
     rec = load_recipe_for_data(recipe, [])
     args = model_args_from_recipe(rec)
     target = out if out is not None else Path("imported") / Path(path).resolve().name

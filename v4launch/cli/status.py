@@ -123,8 +123,9 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         if st.detail.get("failure"):
             OUT.console.print(f"why: {st.detail['failure']}", style="red", markup=False, highlight=False)
         if st.detail.get("cancelled_by"):
-            OUT.console.print(f"cancelled by {st.detail['cancelled_by']}; continue with `v4launch resume "
-                              f"{run_dir}`", markup=False, highlight=False)
+            then = (f"continue with `v4launch resume {run_dir}`" if st.checkpoint is not None else
+                    f"nothing saved: start it again with `v4launch run {run_dir / 'recipe.yaml'}`")
+            OUT.console.print(f"cancelled by {st.detail['cancelled_by']}; {then}", markup=False, highlight=False)
         if st.detail.get("log_tail"):
             OUT.console.print(f"last lines of {st.detail.get('log')}:", style="red")
             OUT.console.print("\n".join(st.detail["log_tail"]), markup=False, highlight=False)
