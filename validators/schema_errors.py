@@ -188,12 +188,41 @@ def _named_field_sources(msg: str, where: Callable[[str], str], shown: str) -> s
     return f" ({'; '.join(found)})" if found else ""
 
 
+_PLAIN = {  # pydantic's type-error wording -> the recipe's words (bounds keep pydantic's, which name the bound)
+    "tuple_type": "must be a list (YAML: [a, b, ...]; an override: key=[a,b])",
+    "list_type": "must be a list (YAML: [a, b, ...]; an override: key=[a,b])",
+    "too_short": "needs at least {min_length} item(s), got {actual_length}",
+    "too_long": "takes at most {max_length} item(s), got {actual_length}",
+    "finite_number": "must be a finite number (YAML reads 1e400, .inf and .nan as infinity / not-a-number)",
+    "int_parsing": "must be a whole number",
+    "int_type": "must be a whole number",
+    "int_from_float": "must be a whole number (no fractional part)",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+}
+
+
+def plain_message(kind: str, msg: str, ctx: dict | None) -> str:
+    """The user-facing sentence of one pydantic error: :data:`_PLAIN`'s wording for type errors (filled from
+    the error's ``ctx``), else pydantic's own message without its "Value error, " prefixes."""
+    template = _PLAIN.get(kind)
+    if template is not None:
+        try:
+            return template.format(**(ctx or {}))
+        except (KeyError, IndexError):
+            pass
+    return msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
 def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, str | None]:
     loc = tuple(err["loc"])
     path = dotted(loc)
     src = where(path) if path else fallback
     src = fallback if src == "default" else src
-    kind, msg = err["type"], err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    kind, msg = err["type"], plain_message(err["type"], err["msg"], err.get("ctx"))
     if kind == "extra_forbidden":
         return _unknown_key(loc, src)
     if kind == "missing":

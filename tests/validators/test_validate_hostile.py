@@ -190,6 +190,10 @@ def test_layout_with_a_huge_repeat_count_is_bounded(tmp_path: Path, layout: str)
     ("compile=3", "compile = 3: compile is a section of keys (enable, backend), not a single value",
      "set its keys, e.g. compile.enable=..."),
     ("parallel=[1]", "parallel is a section of keys (tp, pp,", "e.g. parallel.tp=..."),
+    ("model.compress_ratios=foo", "model.compress_ratios = 'foo': must be a list (YAML: [a, b, ...]",
+     "model.compress_ratios: Per layer"),
+    ("curriculum.stages=[]", "curriculum.stages = []: needs at least 1 item(s), got 0", "curriculum.stages: Stages"),
+    ("optimizer.lr=.inf", "optimizer.lr = inf: must be a finite number (YAML reads 1e400, .inf", "optimizer.lr"),
 ])
 def test_absurd_values_are_refused_with_the_fix(tmp_path: Path, override: str, needle: str, fix: str):
     extra = ["curriculum.stages.0.steps=null"] if ".tokens=" in override else []  # one budget per stage
