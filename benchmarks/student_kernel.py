@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import cuda_time  # noqa: E402
 
 
 def selection(rows: int, seq: int, k: int, ratio: int, device) -> torch.Tensor:
@@ -53,18 +57,12 @@ def float64_truth(q, w, keys, sel, g):
 
 
 def timed(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls after ``warmup`` calls (CUDA events)."""
+    """Median milliseconds of ``fn()`` over ``iters`` calls (``attention.cuda_time``: CUDA events) after
+    ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return cuda_time(fn, iters)
 
 
 def main() -> None:

@@ -218,6 +218,18 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
 
 
 @triton.jit
+def _teacher_tile(q, KV, IDX, t, start, K_SEL, qk_scale, offs_n, offs_d,
+                  D: tl.constexpr, PREC: tl.constexpr):
+    """Scores [H, BN] (base 2, scaled) of query t against selected slots start..start+BN-1, the slot numbers
+    and their validity (a slot past K_SEL or holding -1 is invalid)."""
+    sel = start + offs_n
+    rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
+    valid = rows >= 0
+    kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale, sel, valid
+
+
+@triton.jit
 def _teacher(Q, KV, IDX, LSE_SEL, OUT, K_SEL, sq_t, sq_h, qk_scale,
              H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, HAS_LSE: tl.constexpr):
     """HAS_LSE: the per-head log-sum-exp over the selection comes from the attention forward (LSE_SEL [T, H],
@@ -233,22 +245,14 @@ def _teacher(Q, KV, IDX, LSE_SEL, OUT, K_SEL, sq_t, sq_h, qk_scale,
         m = tl.full([H], -1.0e30, tl.float32)
         l = tl.zeros([H], tl.float32)
         for start in range(0, K_SEL, BN):
-            sel = start + offs_n
-            rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-            valid = rows >= 0
-            kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+            s, sel, valid = _teacher_tile(q, KV, IDX, t, start, K_SEL, qk_scale, offs_n, offs_d, D, PREC)
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
             m = m_new
         lse2 = m + tl.math.log2(tl.maximum(l, 1e-30))
     for start in range(0, K_SEL, BN):
-        sel = start + offs_n
-        rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
-        valid = rows >= 0
-        kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kvt), input_precision=PREC) * qk_scale
+        s, sel, valid = _teacher_tile(q, KV, IDX, t, start, K_SEL, qk_scale, offs_n, offs_d, D, PREC)
         p = tl.where(valid[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
         tl.store(OUT + t * K_SEL + sel, tl.sum(p, 0) / H, mask=sel < K_SEL)
 

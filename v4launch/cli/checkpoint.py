@@ -46,8 +46,8 @@ def import_cmd(path: Annotated[Path, typer.Argument(help="Released checkpoint di
     """Check, then import."""
     from ..checkpoints.released_config import compare_with_recipe, read_config
     from ..checkpoints.released_import import import_released
-    from ..training.model_adapter import RECIPE_PATHS, model_args_from_recipe
     from ..errors import UsageError
+    from ..training.model_adapter import RECIPE_PATHS, model_args_from_recipe
     from .data import load_recipe_for_data
 
     if not Path(path).is_dir():  # a mistyped path: said before the workspace's recipe is looked up, as usage
