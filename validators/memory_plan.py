@@ -223,10 +223,12 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
     if "L" in symbols or any(layer >= m.n_layers for layer in layers):  # a head runs here (main or MTP)
         c.loss += ("L" in symbols) * head_bytes_per_token(m, s.act) * s.rows
         chunk = min(s.rows, max(1, LOGIT_CHUNK_ELEMENTS // m.vocab_size))
-        # backward of one head: the chunk's recomputed fp32 logits, softmax and bf16 gradient (10 B per
-        # logit), the fp32 weight-gradient accumulator [V, d], and the gradients of the rows through
-        # the final norm and hc_head (fp32 streams)
-        c.loss_transient = (10.0 * chunk * m.vocab_size + 4.0 * m.vocab_size * m.dim
+        # a head's forward forms its gradients (model/loss.py): the chunk's fp32 logits, softmax and bf16
+        # gradient (10 B per logit), an fp32 weight gradient [V, d] per head on this stage (each held until
+        # that head's backward: the main head's while the MTP heads run), and the gradients of the rows
+        # through the final norm and hc_head (fp32 streams)
+        heads = ("L" in symbols) + sum(layer >= m.n_layers for layer in layers)
+        c.loss_transient = (10.0 * chunk * m.vocab_size + 4.0 * heads * m.vocab_size * m.dim
                             + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim))
     if s.act == 2:
         c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params

@@ -95,3 +95,57 @@ def test_switching_the_fused_head_off_gives_the_same_loss(gen):
     finally:
         loss_mod.set_fused_head(True)
     torch.testing.assert_close(fused, plain, rtol=1e-13, atol=1e-13)
+
+
+class _CountingRows:
+    """The PyTorch row passes (kernels.reference), counting the calls of each."""
+
+    def __init__(self):
+        from v4launch.model.kernels import reference
+
+        self.reference, self.calls = reference, {"logsumexp_target": 0, "softmax_grad": 0}
+
+    def logsumexp_target(self, z, labels):
+        self.calls["logsumexp_target"] += 1
+        return self.reference.logsumexp_target(z, labels)
+
+    def softmax_grad(self, *args):
+        self.calls["softmax_grad"] += 1
+        return self.reference.softmax_grad(*args)
+
+
+def test_gradients_are_formed_in_the_forward_and_only_when_needed(gen):
+    """With grad on: one softmax gradient per chunk in the forward, none in the backward (no logits are
+    recomputed). Under no_grad, or with frozen inputs: none at all, and only the needed gradient exists."""
+    hidden, weight, labels = _case(gen)
+    rows = _CountingRows()
+    loss = head_cross_entropy(hidden, weight, labels, 4, kernels=rows)  # 11 rows: 3 chunks
+    assert rows.calls == {"logsumexp_target": 3, "softmax_grad": 3}
+    loss.backward()
+    assert rows.calls == {"logsumexp_target": 3, "softmax_grad": 3}
+    rows = _CountingRows()
+    with torch.no_grad():
+        frozen = head_cross_entropy(hidden, weight, labels, 4, kernels=rows)
+    assert rows.calls == {"logsumexp_target": 3, "softmax_grad": 0}
+    torch.testing.assert_close(frozen, loss.detach(), rtol=0, atol=0)
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone()  # frozen head weight
+    head_cross_entropy(h2, w2, labels, 4).backward()
+    ref_h = hidden.detach().clone().requires_grad_()
+    _reference(ref_h, w2, labels).backward()
+    assert w2.grad is None
+    torch.testing.assert_close(h2.grad, ref_h.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_two_heads_on_one_weight_accumulate_its_gradient(gen):
+    """The MTP head's loss and the main head's share the head weight (spec §3 "MTP"): both gradients,
+    formed in each forward and scaled by different upstream weights, add up in ``weight.grad``."""
+    hidden, weight, labels = _case(gen)
+    hidden_mtp = torch.randn_like(hidden).requires_grad_()
+    a, b = torch.rand(2, generator=gen, dtype=torch.float64) + 0.25
+    main, mtp = head_cross_entropy(hidden, weight, labels, 3), head_cross_entropy(hidden_mtp, weight, labels, 5)
+    (a * main + b * mtp).backward()
+    h_ref, hm_ref = hidden.detach().clone().requires_grad_(), hidden_mtp.detach().clone().requires_grad_()
+    w_ref = weight.detach().clone().requires_grad_()
+    (a * _reference(h_ref, w_ref, labels) + b * _reference(hm_ref, w_ref, labels)).backward()
+    for got, ref in ((hidden.grad, h_ref.grad), (hidden_mtp.grad, hm_ref.grad), (weight.grad, w_ref.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
