@@ -1,9 +1,12 @@
-"""Sweep the single-pass sparse-attention backward's tile config for head counts below 64 (one SM90 GPU).
+"""Sweep the sparse-attention backward's tile config for head counts below 64 (one SM90 GPU).
 
     python benchmarks/attention_bwd_sweep_small_heads.py --heads 16 --out $OUT
+    python benchmarks/attention_bwd_sweep_small_heads.py --heads 16 --two-pass --out $OUT
 
-The two-pass backward (``triton_attention_bwd``) needs heads % 64 == 0; below that the single-pass
-kernel (``triton_attention._sparse_bwd``) runs, with ``CONFIGS["bwd"]["lp_h16"]`` (<= 16 heads) or ``["lp"]``. This
+Single-pass (default): the kernel ``triton_attention._sparse_bwd`` with ``CONFIGS["bwd"]["lp_h16"]`` (<= 16
+heads) or ``["lp"]``. ``--two-pass``: ``triton_attention_bwd`` with one head block of 16 / 32 heads
+(``head_block``) for each pass-1 config in ``DKV_CANDIDATES`` and pass-2 config in ``DQ_CANDIDATES``, and the
+single-pass kernel's current config as the first row, so the table says which backward to dispatch. This
 times it at the benchmark model's layers (benchmarks/train_step.py: 8,192 tokens as 2 x 4,096, D 512,
 window 128; CSA: top-512 of the compress-ratio-4 entries; HCA: every ratio-128 entry; SWA: the window
 alone) for each candidate config, weighted by the layer counts (4 CSA, 3 HCA, 2 SWA with the MTP
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seg", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--two-pass", action="store_true", help="time the two-pass backward's configs instead")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -92,6 +96,43 @@ def main() -> None:
     current = dict(ta.CONFIGS["bwd"][key])
     truth = {k: ta.attention_bwd_single_pass(*p, scale) for k, p in problems.items()}
     rows = []
+    if a.two_pass:
+        from v4launch.model.kernels import triton_attention_bwd as tb
+
+        saved = dict(tb.CONFIGS)
+        variants = [("single-pass", current, None)] + [
+            ("two-pass", c1, c2) for c1 in tb.DKV_CANDIDATES for c2 in tb.DQ_CANDIDATES]
+        for name, c1, c2 in variants:
+            if c2 is not None:
+                tb.CONFIGS.update(dkv=c1, dq=c2)
+                bwd = lambda *p: tb.attention_bwd(*p, dkv_kernel="triton")  # noqa: E731
+            else:
+                bwd = ta.attention_bwd_single_pass
+            row = dict(kernel=name, dkv=c1, dq=c2, ms={}, err=0.0)
+            try:
+                for kind, p in problems.items():
+                    dq, dkv, _ = bwd(*p, scale)
+                    row["err"] = max(row["err"], rel(dq, truth[kind][0]), rel(dkv, truth[kind][1]))
+                    row["ms"][kind] = timed(lambda: bwd(*p, scale), a.reps)
+                row["step_ms"] = sum(LAYERS[k] * row["ms"][k] for k in LAYERS)
+            except Exception as e:  # out of shared memory / registers: reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        tb.CONFIGS.update(saved)
+        ok = sorted((r for r in rows if "step_ms" in r), key=lambda r: r["step_ms"])
+        print(f"\nbackward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
+              f"{torch.cuda.get_device_name()}; error vs the single-pass kernel's current config")
+        print(f"{'kernel':<12} {'pass 1':<34} {'pass 2':<30} {'csa ms':>7} {'hca ms':>7} {'swa ms':>7} "
+              f"{'per step ms':>11} {'err':>8}")
+        for r in ok:
+            print(f"{r['kernel']:<12} {str(r['dkv'] if r['dq'] else '-'):<34.34} {str(r['dq'] or '-'):<30.30} "
+                  f"{r['ms']['csa']:>7.2f} {r['ms']['hca']:>7.2f} {r['ms']['swa']:>7.2f} {r['step_ms']:>11.2f} "
+                  f"{r['err']:>8.1e}")
+        with open(os.path.join(a.out, f"attention_bwd_two_pass_h{a.heads}.json"), "w") as f:
+            json.dump(dict(heads=a.heads, gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
+                      indent=1)
+        return
     grid = [c for c in itertools.product((16, 32, 64), (1, 2, 4), (4, 8)) if c[:2] != (64, 1)]
     for BN, n_split, warps in grid:
         stages = 1

@@ -292,11 +292,14 @@ def _forward(q, kv, idx, sink, scale, ranges):
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
     """(dq, dkv float32, delta) of :func:`sparse_sink_attention`: the two-pass kernels
-    (``triton_attention_bwd``) where they apply (bf16/fp16, heads % 64 == 0), else the
-    single-pass kernel below (float32 parity runs, other head counts)."""
+    (``triton_attention_bwd``) where they apply and pay (bf16/fp16, heads % 64 == 0), else the
+    single-pass kernel below (float32 parity runs, other head counts). At 16 heads the two-pass form
+    runs (``head_block``) but measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs
+    25.8 ms per step, both near the floor of their float32 dKV reductions
+    (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it is not dispatched there."""
     from . import triton_attention_bwd as two_pass
 
-    if two_pass.supported(q):
+    if two_pass.supported(q) and q.shape[1] % two_pass.HEAD_BLOCK == 0:
         return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
     return attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale)
 

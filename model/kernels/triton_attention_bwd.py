@@ -46,13 +46,24 @@ DQ_CANDIDATES = (dict(BNQ=64, num_warps=8, num_stages=3), dict(BNQ=64, num_warps
                  dict(BNQ=32, num_warps=8, num_stages=3), dict(BNQ=128, num_warps=8, num_stages=1))
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 HEAD_BLOCK = 64
+SMALL_HEAD_BLOCKS = (16, 32)
+"""Head counts below 64 that run as one head block: the score product's N = 2 * H (32 or 64) and the dKV
+product's K = 2 * H stay at or above the tensor-core minimum of 16 (V4-Flash has 64 heads; the benchmark
+model 16)."""
+
+
+def head_block(H: int) -> int | None:
+    """Heads per program of both passes: 64 for H a multiple of 64, H itself for H in
+    ``SMALL_HEAD_BLOCKS``, else None (the single-pass kernel runs)."""
+    if H % HEAD_BLOCK == 0:
+        return HEAD_BLOCK
+    return H if H in SMALL_HEAD_BLOCKS else None
 
 
 def supported(q: torch.Tensor) -> bool:
-    """bf16 / fp16, heads a multiple of 64 (one head block of 64 is the N of the score products)
-    and D a multiple of 16 * NP."""
+    """bf16 / fp16, heads a multiple of 64 or 16 / 32 (:func:`head_block`) and D a multiple of 16 * NP."""
     H, D = q.shape[1], q.shape[2]
-    return (q.dtype in (torch.bfloat16, torch.float16) and H % HEAD_BLOCK == 0
+    return (q.dtype in (torch.bfloat16, torch.float16) and head_block(H) is not None
             and D % (16 * CONFIGS["dkv"]["NP"]) == 0)
 
 
@@ -238,7 +249,8 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     if dkv_kernel not in ("auto", "gluon", "triton"):
         raise ValueError(f"dkv_kernel={dkv_kernel!r}: must be 'auto', 'gluon' or 'triton'")
     if not supported(q):
-        raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 and D % 64 == 0, got "
+        raise ValueError(f"two-pass backward needs bf16/fp16 q, heads % {HEAD_BLOCK} == 0 or heads in "
+                         f"{SMALL_HEAD_BLOCKS} and D % 64 == 0, got "
                          f"{q.dtype} {tuple(q.shape)}; use triton_attention.attention_bwd")
     if dkv_kernel != "triton":
         why = gluon_pass1_unavailable(q, explicit=dkv_kernel == "gluon")
@@ -250,6 +262,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
         dkv_kernel = "triton" if why else "gluon"
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
+    BH = head_block(H)
     c1, c2 = CONFIGS["dkv"], CONFIGS["dq"]
     BN = c1["BN"]
     dout = dout.to(q.dtype).contiguous()
@@ -265,22 +278,22 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
     ds = torch.empty(Tc, H, NC, dtype=q.dtype, device=q.device)
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
-        grid = (n, H // HEAD_BLOCK)
+        grid = (n, H // BH)
         if "dkv" in passes and dkv_kernel == "gluon":
             from . import gluon_attention_bwd as gb
 
             g = gb.CONFIG
             gb._dkv_pass[grid](q, kv, idx_t, rng_t, out, dout, lse, delta, dkv, ds, K, NC, t0, q.stride(0),
-                               q.stride(1), scale * LOG2E, scale, H=H, D=D, BH=HEAD_BLOCK, BN=BN, NP=g["NP"],
+                               q.stride(1), scale * LOG2E, scale, H=H, D=D, BH=BH, BN=BN, NP=g["NP"],
                                NBUF=g["NBUF"], HAS_IDX=has_idx, HAS_RNG=has_rng, REDUCE_IDX=reduce_idx,
                                num_warps=g["num_warps"])
         elif "dkv" in passes:
             _dkv_pass[grid](q, kv, idx_t, rng_t, out, dout, lse, delta, dkv, ds, K, NC, t0, q.stride(0), q.stride(1),
-                            scale * LOG2E, scale, H=H, D=D, BH=HEAD_BLOCK, BN=BN, NP=c1["NP"], HAS_IDX=has_idx,
+                            scale * LOG2E, scale, H=H, D=D, BH=BH, BN=BN, NP=c1["NP"], HAS_IDX=has_idx,
                             HAS_RNG=has_rng, USE_ASM=q.is_cuda, REDUCE_IDX=reduce_idx,
                             num_warps=c1["num_warps"], num_stages=c1["num_stages"])
         if "dq" in passes:
-            _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=HEAD_BLOCK,
+            _dq_pass[grid](kv, idx_t, rng_t, ds, dq, K, NC, t0, q.stride(0), q.stride(1), H=H, D=D, BH=BH,
                            BN=BN, BNQ=min(BN, c2["BNQ"]), HAS_IDX=has_idx, HAS_RNG=has_rng,
                            num_warps=c2["num_warps"], num_stages=c2["num_stages"])
     return dq, dkv, delta

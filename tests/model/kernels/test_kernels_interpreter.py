@@ -32,7 +32,8 @@ if _version(triton.__version__) < (3, 9) and _version(numpy.__version__) >= (2, 
     pytest.skip(f"Triton {triton.__version__}'s interpreter cannot use numpy {numpy.__version__} scalars "
                 "as indices (fixed in Triton 3.9)", allow_module_level=True)
 
-CASES = [f"{kind}/{mode}" for mode in ("idx+ranges", "idx", "ranges") for kind in ("single_pass", "two_pass")]
+CASES = [f"{kind}/{mode}" for mode in ("idx+ranges", "idx", "ranges")
+         for kind in ("single_pass", "two_pass", "two_pass_h16")]
 CASES += ["teacher", "indexer_scores", "student", "cross_entropy", "sinkhorn", "opcheck"]
 TOL = 1e-5  # float32 kernels against float64 truth; measured 1e-7 .. 5e-7
 
