@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .common import acc_dtype
 from .kernels import reference
 from .kernels.dispatch import Backend
-from .matmul import LOW_PRECISION, low_dtype, mm_wide, project
+from .matmul import LOW_PRECISION, addmm_wide_, low_dtype, mm_wide, project
 
 IGNORE = -100
 LOGIT_CHUNK_ELEMENTS = 1 << 28
@@ -95,7 +95,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 if need_h:
                     dh[i:i + chunk] = _wide_or_plain(dz, w, acc)
                 if need_w:
-                    dw += _wide_or_plain(dz.t(), hc, dw.dtype)
+                    addmm_wide_(dw, dz.t(), hc)
         ctx.grads = (dh, dw)  # not saved tensors: neither is an input or an output of this node
         ctx.h_dtype, ctx.w_dtype = hidden.dtype, weight.dtype
         return total

@@ -66,6 +66,41 @@ def mm_wide(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
     return (a.float() @ b.float()).to(out_dtype)
 
 
+_OUT_DTYPE_ADDMM: dict[str, bool] = {}
+"""Per device type: whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates in place there
+(probed once, eagerly, against the two-step sum)."""
+
+
+def _out_dtype_addmm_works(device: torch.device) -> bool:
+    key = device.type
+    if key not in _OUT_DTYPE_ADDMM:
+        try:
+            a = torch.arange(4, device=device, dtype=torch.float32).reshape(2, 2).to(torch.bfloat16)
+            acc = torch.full((2, 2), 0.5, device=device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _OUT_DTYPE_ADDMM[key] = bool(torch.equal(acc, 0.5 + a.float() @ a.float()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE_ADDMM[key] = False
+    return _OUT_DTYPE_ADDMM[key]
+
+
+def addmm_wide_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc += a @ b`` in place for 2-D a [M, K], b [K, N] (same dtype) and acc [M, N] in a's dtype or wider,
+    accumulated in float32 (float64 for float64 operands); returns acc.
+
+    The GEMM adds into ``acc`` in its epilogue (``addmm_``; on CUDA for a float32 acc of bf16 / fp16 operands,
+    ``addmm(..., out_dtype=float32)`` where :func:`_out_dtype_addmm_works`): no [M, N] product is written and
+    read back by a separate add, and a low-precision acc is rounded once per call instead of twice. Elsewhere
+    ``acc += mm_wide(a, b, acc.dtype)``, the same value up to the summation order.
+    """
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    if a.is_cuda and a.dtype in LOW_PRECISION and acc.dtype == torch.float32 and _out_dtype_addmm_works(a.device):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    acc += mm_wide(a, b, acc.dtype) if a.dtype in LOW_PRECISION else (a @ b).to(acc.dtype)
+    return acc
+
+
 class _WideLinear(torch.autograd.Function):
     """y = x @ w.T with low-precision operands and a float32 (wide) result; see module docstring."""
 

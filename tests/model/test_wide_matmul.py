@@ -88,3 +88,24 @@ def test_switching_wide_gemms_off_restores_the_float32_product(gen):
     finally:
         matmul.set_wide_gemm(True)
     assert torch.equal(y, F.linear(x.float(), w))
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("acc_dtype,op_dtype,tol", [(torch.float32, torch.bfloat16, 1e-5),
+                                                    (torch.bfloat16, torch.bfloat16, 1e-2),
+                                                    (torch.float64, torch.float64, 1e-12)])
+def test_addmm_wide_accumulates_in_place(gen, device, acc_dtype, op_dtype, tol):
+    """acc += a @ b into the same storage, against the float64 sum of the (rounded) operands' product;
+    three accumulations, as the head's weight gradient over three chunks."""
+    acc = _rand(gen, 6, 5, dtype=acc_dtype).to(device)
+    want = acc.double().clone()  # a float64 acc.double() is acc itself
+    storage = acc.data_ptr()
+    for _ in range(3):
+        a, b = _rand(gen, 6, 32, dtype=op_dtype).to(device), _rand(gen, 32, 5, dtype=op_dtype).to(device)
+        assert matmul.addmm_wide_(acc, a, b) is acc
+        want = want + a.double() @ b.double()
+    assert acc.data_ptr() == storage and acc.dtype == acc_dtype
+    torch.testing.assert_close(acc.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
