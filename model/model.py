@@ -299,9 +299,15 @@ class V4Model(FP32Pinned):
         check_ids(tokens, labels, self.args.vocab_size)
         for block in self._blocks():  # RoPE tables on the device before any compiled region reads them
             block.attn.rope.inv_freq_on(tokens.device)
-        return BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
-                            self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
-                            recompute=self.recompute)
+        ctx = BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
+                           self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
+                           recompute=self.recompute)
+        # The compress plans here, outside any compiled region: built inside a compiled block, their entry count
+        # (a sum over the pack's host boundaries) guarded the block's graph on the number of documents, and every
+        # new count recompiled it (a product batch packs a different number of documents each step).
+        for ratio in sorted({r for r in self.args.compress_ratios if r}):
+            ctx.plan(ratio)
+        return ctx
 
     def embed_streams(self, tokens: torch.Tensor, ctx: BatchContext,
                       with_mtp: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -85,20 +85,21 @@ def test_compiled_recomputed_regions_match_eager_and_run_compiled(gen, regions):
 
 
 def test_batch_tables_as_of_hides_what_was_built_since(gen):
-    """A replay sees the RoPE / compress-plan tables as the forward did, and the later ones come back after."""
+    """The compress plans of every ratio exist before any layer runs (built outside the compiled blocks); a
+    replay sees the RoPE / plan tables as the forward did, and the later ones come back after."""
     model = build(tiny_args(n_layers=2, compress_ratios=(0, 4, 128)), "dense", gen)
     tokens, cu, max_len, labels = packed_batch([37, 140, 21], model.args.vocab_size, gen)
     ctx = model.batch_context(tokens, cu, max_len, labels)
     rope = model.layers[1].attn.rope
     before = ctx.cached_keys()
-    assert before == (frozenset(), frozenset())
-    plan, tables = ctx.plan(4), ctx.cos_sin(rope, torch.float64)
+    assert before == (frozenset({4, 128}), frozenset())
+    plan, tables = ctx.plan(8), ctx.cos_sin(rope, torch.float64)  # a ratio no layer has, to see it hidden
     later = ctx.cached_keys()
     with ctx.as_of(before):
         assert ctx.cached_keys() == before
         again = ctx.cos_sin(rope, torch.float64)  # built again, equal
         torch.testing.assert_close(again[0], tables[0], rtol=0, atol=0)
-    assert ctx.cached_keys() == later and ctx.plan(4) is plan and ctx.cos_sin(rope, torch.float64) is tables
+    assert ctx.cached_keys() == later and ctx.plan(8) is plan and ctx.cos_sin(rope, torch.float64) is tables
 
 
 @pytest.mark.slow
@@ -114,3 +115,29 @@ def test_compiled_whole_layer_recompute_with_chunked_reference_attention(gen, ph
     compile_blocks(compiled, backend="aot_eager")
     for lengths in ([37, 140, 21], [100, 60, 38]):
         _assert_same_loss_and_grads(model, compiled, packed_batch(lengths, model.args.vocab_size, gen))
+
+
+@pytest.mark.slow
+def test_a_new_number_of_documents_compiles_nothing_new(gen, monkeypatch):
+    """Product batches pack a different number of documents every step. Once the shapes have gone dynamic
+    (three batches of 2-4 documents), batches with document counts not seen before compile no new graph: the compress plans
+    (whose entry count sums over the host boundaries) are built before the compiled blocks run, so no graph
+    guards on the number of documents. Without that, each new count compiled one more graph."""
+    from v4launch.model import moe
+
+    monkeypatch.setattr(moe, "grouped_mm_applies", lambda *a, **k: True)  # the GPU's sync-free expert path
+    model = build(tiny_args(n_layers=2, compress_ratios=(0, 4, 0)), "dense", gen, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(model, backend="aot_eager")
+
+    def step(lengths):
+        out = model(*packed_batch(lengths, model.args.vocab_size, gen))
+        (out.lm_loss + sum(out.aux_losses.values())).backward()
+        return counters["stats"]["unique_graphs"]
+
+    for lengths in ([64, 64], [32, 32, 64], [16, 48, 32, 32]):
+        warm = step(lengths)
+    assert warm > 0
+    # (one document is a size-1 dimension, which dynamo specialises: a pack of one is its own graph once)
+    assert [step(lengths) for lengths in ([8, 8, 16, 32, 64], [40, 40, 48], [16] * 5 + [48])] == [warm] * 3
