@@ -97,7 +97,7 @@ def softmax_grad(z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, scale
     """Gradient of the summed cross entropy in the logits: ``scale[r] * (softmax(z[r]) - onehot(label[r]))``.
 
     Args:
-        z: [R, V] float32 logits (recomputed by the caller); lse: [R] float32 from :func:`logsumexp_target`.
+        z: [R, V] float32 logits (the chunk the caller holds); lse: [R] float32 from :func:`logsumexp_target`.
         labels: [R] int64 (-100: ignored; its row's ``scale`` must be 0).
         scale: [R] float32 per-row factor (the incoming gradient times the row's validity).
         out_dtype: dtype of the result (the GEMM operand dtype: bf16, fp16 or float32).
