@@ -273,7 +273,7 @@ def profile(step, phase: str, path: str, a) -> dict:
     (out / f"table_host_{phase}_{path}.txt").write_text(
         events.table(sort_by="self_cpu_time_total", row_limit=3 * a.profile_top, max_name_column_width=60))
     launches = sum(e.count for e in events if e.key in LAUNCH_CALLS) / n
-    print(f"\nprofile {phase}/{path}: CPU (host ops) {cpu_ms:.1f} ms/step, GPU (kernels) {gpu_ms:.1f} ms/step, "
+    print(f"\nprofile {phase}/{path}: CPU (host ops, GPU waits excluded) {cpu_ms:.1f} ms/step, GPU (kernels) {gpu_ms:.1f} ms/step, "
           f"{launches:.0f} kernel launches/step")
     for k in top:
         print(f"  {k['ms_per_step']:8.2f} ms {100 * k['share']:5.1f}%  x{k['calls_per_step']:<6.0f} {k['name']}")

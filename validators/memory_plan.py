@@ -171,8 +171,10 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
     st = recipe.curriculum.stages[index]
     p = recipe.parallel
     cp, dp = recipe.stage_cp(st), recipe.stage_dp(st)
-    if dp is None or st.seq_len % cp:
-        raise PlanUnavailable("the stage's dp or its cp slices are undefined (V4-WORLD-SIZE, V4-CP-DIVISIBLE)")
+    if dp is None:
+        raise PlanUnavailable("the stage's dp is undefined (V4-WORLD-SIZE)")
+    if st.seq_len % cp:
+        raise PlanUnavailable(f"seq_len {st.seq_len} does not split into cp = {cp} slices (V4-CP-DIVISIBLE)")
     if (dp * cp) % p.ep or recipe.model.moe.n_routed_experts % p.ep:
         raise PlanUnavailable(f"parallel.ep={p.ep} does not fold over dp·cp = {dp * cp} or split the experts "
                               "evenly (V4-EP-FOLD, V4-EP-EXPERTS): the experts per GPU are undefined")

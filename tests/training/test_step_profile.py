@@ -36,7 +36,8 @@ def test_profiles_exactly_the_steps_asked_for(tmp_path: Path):
     table = written[2]
     assert table == tmp_path / "profile" / "rank3_steps2-3.txt"
     text = table.read_text()
-    assert re.match(r"steps 2-3 \(2\), rank 3: wall [\d.]+ ms/step, host \(self CPU\) [\d.]+ ms/step", text)
+    assert re.match(r"steps 2-3 \(2\), rank 3: wall [\d.]+ ms/step, host \(self CPU, GPU waits excluded\) [\d.]+ ms/step",
+                    text)
     calls = int(re.search(r"aten::mm\s.*?\s(\d+)\s*$", text, re.M).group(1))
     assert calls == 20 + 30
 
@@ -131,3 +132,22 @@ def test_host_waits_counts_sync_warnings_by_where_they_came_from(monkeypatch):
     with pytest.raises(RuntimeError):
         host_waits(failing, lambda stack: "x")
     assert modes[-1] == "default"
+
+
+def test_host_time_leaves_out_the_waits_for_the_gpu():
+    """A step that ends in a synchronisation: the host's self time inside cudaDeviceSynchronize (and the stream
+    and event forms) is waiting, not host work; kernels count once, annotations spanning them not at all."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from v4launch.training.step_profile import HOST_WAIT_CALLS, host_and_device_ms
+
+    cpu = lambda key, us: SimpleNamespace(key=key, device_type=DeviceType.CPU, self_cpu_time_total=us)  # noqa: E731
+    gpu = lambda key, us, note=False: SimpleNamespace(key=key, device_type=DeviceType.CUDA,  # noqa: E731
+                                                      self_device_time_total=us, is_user_annotation=note)
+    waits = [cpu(name, 40_000.0) for name in sorted(HOST_WAIT_CALLS)]
+    events = [cpu("cudaGraphLaunch", 500.0), cpu("aten::mm", 1_500.0), *waits,
+              gpu("nvjet_gemm", 100_000.0), gpu("_sparse_bwd", 30_000.0), gpu("Optimizer.step#AdamW.step", 9_000.0, True)]
+    assert host_and_device_ms(events) == (2.0, 130.0)
+    assert {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize"} <= HOST_WAIT_CALLS

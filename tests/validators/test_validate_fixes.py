@@ -55,7 +55,7 @@ def test_proposed_fix_is_valid_and_runnable(rule_id: str, base_file: Path):
 
 def test_the_fixes_that_matter_here_are_machine_readable(base_file: Path):
     for rule_id in ("V4-SM90-DENSE-LOSS", "V4-PHASE-INDEXER-TARGET", "V4-PHASE-DENSE-NO-INDEXER", "V4-PP-VPP",
-                    "V4-PP-MICROBATCHES", "V4-TP-ONE", "V4-CP-THD", "V4-KERNEL-AVAILABLE"):
+                    "V4-PP-MICROBATCHES", "V4-TP-ONE", "V4-CP-THD", "V4-KERNEL-AVAILABLE", "V4-PP-LAYOUT"):
         report = validate_file(base_file, CASES[rule_id][0])
         assert all(proposed_edits(v.fix) for v in report.violations), (rule_id, [v.fix for v in report.violations])
 

@@ -40,8 +40,9 @@ def _rule_dict(rule: Rule) -> dict:
             "severity": rule.severity, "scope": rule.scope, "fix": rule.fix}
 
 
-def _list_rules(ids: list[str] | None = None) -> None:
-    """The rules ``ids`` (default: every rule) as a table: id, severity, statement."""
+def _list_rules(ids: list[str] | None = None, console=None) -> None:
+    """The rules ``ids`` (default: every rule) as a table: id, severity, statement; on ``console`` (default:
+    stdout)."""
     from ..validators import RULES
 
     table = Table(box=None, pad_edge=False, header_style="bold")
@@ -49,7 +50,7 @@ def _list_rules(ids: list[str] | None = None) -> None:
         table.add_column(name, overflow="fold")
     for rule in (RULES[i] for i in ids) if ids is not None else RULES.values():
         table.add_row(rule.id, rule.severity, escape(rule.statement))
-    OUT.console.print(table)
+    (console or OUT.console).print(table)
 
 
 def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
@@ -76,9 +77,9 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
                 _list_rules(family)
             return
         guess = [f"V4-{g}" for g in did_you_mean(bare, [r.removeprefix("V4-") for r in RULES])]
-        if not as_json and not guess:  # nothing close: show what exists, saying why first
-            OUT.console.print(f"no rule '{escape(rule_id)}'; the rules are:")
-            _list_rules()
+        if not as_json and not guess:  # nothing close: show what exists (on stderr: the command failed), why first
+            OUT.err.print(f"no rule '{escape(rule_id)}'; the rules are:")
+            _list_rules(console=OUT.err)
         mean = f" (did you mean {guess[0]}?)" if guess else ""
         raise UsageError(f"unknown rule id '{rule_id}'{mean}", hint="`v4launch explain` lists every rule")
     if as_json:

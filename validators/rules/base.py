@@ -101,6 +101,11 @@ def rule(rule_id: str, *, fields: tuple[str, ...], fix: str, severity: Severity 
     return register
 
 
+def micro_batches(n: int) -> str:
+    """'micro-batch' or 'micro-batches' for a count of ``n``."""
+    return "micro-batch" if n == 1 else "micro-batches"
+
+
 class Context:
     """What a rule reads: the recipe and, for stage-scoped rules, one stage and its neighbours."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
-from ..layout import LayoutSyntaxError, parse_layout
+from ..layout import LayoutSyntaxError, format_layout, parse_layout
 from ..memory_fixes import shell_word
 from .base import Context, rule
 
@@ -36,12 +36,31 @@ def check_layout_structure(ctx: Context):
     p = ctx.parallel
     if p.pp_layout is None:
         if p.pp * p.vpp > 1:
-            return ctx.finding("parallel.pp_layout", None, f"pp·vpp = {p.pp * p.vpp} stages need an explicit layout")
+            return ctx.finding("parallel.pp_layout", None, f"pp·vpp = {p.pp * p.vpp} stages need an explicit layout",
+                               _proposed_layout_fix(ctx))
         return ctx.na("single stage, no layout")
     if ctx.layout is None:
         return ctx.na("layout does not parse (V4-PP-LAYOUT-SYNTAX)")
-    found = [ctx.finding("parallel.pp_layout", p.pp_layout, problem) for problem in ctx.layout_problems]
+    fix = _proposed_layout_fix(ctx) if ctx.layout_problems else None
+    found = [ctx.finding("parallel.pp_layout", p.pp_layout, problem, fix) for problem in ctx.layout_problems]
     return found or ctx.ok("parallel.pp_layout", p.pp_layout, f"{len(ctx.layout.stages)} stages")
+
+
+def _proposed_layout_fix(ctx: Context) -> str | None:
+    """'set parallel.pp_layout=…': pp·vpp stages balanced by the cost model at the curriculum's longest
+    seq_len (E and the hash-routed layers first, the MTP layers and L last); None (the rule's general fix)
+    when the model is too large for the search or has fewer decoder layers than stages."""
+    p, m = ctx.parallel, ctx.model
+    n_stages = p.pp * p.vpp
+    if n_stages < 2 or m.n_layers < n_stages - 1:
+        return None
+    longest = max(ctx.recipe.curriculum.stages, key=lambda st: st.seq_len)
+    units = unit_costs(m, longest.seq_len, longest.phase, ctx.recipe.attention.indexer_loss_coeff > 0)
+    best = propose_layout(units, n_stages, m.moe.n_hash_layers)
+    if best is None:
+        return None
+    return (f"set {shell_word(f'parallel.pp_layout={best}')} ({n_stages} stages, balanced by the cost model at "
+            f"seq_len {longest.seq_len})")
 
 
 @rule("V4-PP-MTP-WITH-LOSS", fields=("parallel.pp_layout", "model.mtp.depth"), scope="recipe",
@@ -60,7 +79,8 @@ def check_mtp_with_loss(ctx: Context):
     if holders != [last] or "L" not in ctx.layout.stages[last]:
         return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
                            f"MTP layers sit in virtual stage(s) {holders}, the loss L in stage "
-                           f"{[i for i, s in enumerate(ctx.layout.stages) if 'L' in s]}; the job needs them together in the last")
+                           f"{[i for i, s in enumerate(ctx.layout.stages) if 'L' in s]}; the job needs them together in the last",
+                           _mtp_moved_fix(ctx))
     return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout)
 
 
@@ -103,3 +123,15 @@ def check_balance(ctx: Context):
         return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
                            f"max/mean stage cost {ratio:.3f} > {PP_BALANCE_THRESHOLD} at seq_len {ctx.seq_len} ({ctx.stage.phase})", fix)
     return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout, f"max/mean {ratio:.3f}")
+
+
+def _mtp_moved_fix(ctx: Context) -> str | None:
+    """'set parallel.pp_layout=…' with every 'm' taken out and mtp.depth of them put right before the last
+    stage's 'L'; None (the rule's general fix) where that would leave a stage empty or L is elsewhere (the stage
+    boundaries must move then, which V4-PP-BALANCE's proposal does once the structure is valid)."""
+    moved = [[u for u in stage if u != "m"] for stage in ctx.layout.stages]
+    if "L" not in moved[-1] or not all(moved):
+        return None
+    at = moved[-1].index("L")
+    moved[-1][at:at] = ["m"] * ctx.model.mtp.depth
+    return f"set {shell_word(f'parallel.pp_layout={format_layout(moved)}')}"

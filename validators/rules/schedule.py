@@ -7,7 +7,7 @@ rank (global batch / (micro batch · dp)) as ``n_microbatches``.
 
 from __future__ import annotations
 
-from .base import Context, rule
+from .base import Context, micro_batches, rule
 
 
 @rule("V4-PP-VPP", fields=("parallel.vpp", "parallel.pp"), scope="recipe",
@@ -43,9 +43,9 @@ def check_pp_microbatches(ctx: Context):
         return ctx.na("global batch not divisible by micro_batch·dp (V4-BATCH)")
     n = gbs // per_rank
     if n >= p.pp and (p.vpp == 1 or n % p.pp == 0):
-        return ctx.ok(ctx.global_batch_field, gbs, f"{n} micro-batches per rank, pp={p.pp}")
+        return ctx.ok(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank, pp={p.pp}")
     step = per_rank * p.pp
     want = max(step, -(-gbs // step) * step)
     need = "at least pp" if p.vpp == 1 else "a multiple of pp (interleaved, vpp > 1)"
-    return ctx.finding(ctx.global_batch_field, gbs, f"{n} micro-batches per rank ({gbs} / (micro_batch {p.micro_batch_size}"
+    return ctx.finding(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank ({gbs} / (micro_batch {p.micro_batch_size}"
                        f" · dp {dp})); the schedule needs {need} = {p.pp}", f"set {ctx.global_batch_field}={want}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from math import gcd
 
 from ..memory_fixes import divisors, searching
-from .base import Context, rule
+from .base import Context, micro_batches, rule
 
 
 @rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
@@ -93,4 +93,4 @@ def check_batch(ctx: Context):
     gbs, mbs = ctx.recipe.stage_global_batch(ctx.stage), ctx.parallel.micro_batch_size
     if gbs % (mbs * ctx.dp):
         return ctx.finding(ctx.global_batch_field, gbs, f"global batch {gbs} is not divisible by micro_batch·dp = {mbs}·{ctx.dp}")
-    return ctx.ok(ctx.global_batch_field, gbs, f"{gbs // (mbs * ctx.dp)} micro-batches per rank")
+    return ctx.ok(ctx.global_batch_field, gbs, f"{gbs // (mbs * ctx.dp)} {micro_batches(gbs // (mbs * ctx.dp))} per rank")
