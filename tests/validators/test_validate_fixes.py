@@ -80,3 +80,15 @@ def test_warmup_sparse_target_is_what_the_job_refuses(base_file: Path):
 ])
 def test_proposed_edits_parser(fix: str, edits: list[str]):
     assert proposed_edits(fix) == edits
+
+
+def test_mtp_layers_outside_the_loss_stage_get_them_moved_before_l(base_file: Path):
+    """V4-PP-MTP-WITH-LOSS proposes the same layout with every 'm' moved right before the last stage's L, which
+    passes the rule; where moving them would empty a stage, the fix stays prose (the boundaries must move)."""
+    bad = ["parallel.pp=4", "model.vocab_size=9216", "parallel.pp_layout=Et*2|t*2|t*2m|t*2L"]
+    found = [v for v in validate_file(base_file, bad).violations if v.rule_id == "V4-PP-MTP-WITH-LOSS"]
+    assert found and proposed_edits(found[0].fix) == ["parallel.pp_layout=Et*2|t*2|t*2|t*2mL"]
+    fixed = validate_file(base_file, [*bad, *proposed_edits(found[0].fix)])
+    assert "V4-PP-MTP-WITH-LOSS" not in fixed.failed_rule_ids()
+    emptied = validate_file(base_file, CASES["V4-PP-MTP-WITH-LOSS"][0]).violations
+    assert not proposed_edits(next(v.fix for v in emptied if v.rule_id == "V4-PP-MTP-WITH-LOSS"))
