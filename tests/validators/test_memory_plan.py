@@ -244,27 +244,16 @@ def test_a_1m_stage_at_cp1_fails_and_the_proposed_cp_validates(base_file: Path):
     assert abs(fixed.stages[3].derived["memory"]["total_bytes"] / GIB - float(cp.group(2))) < 0.05
 
 
-def test_validate_prints_the_plan_per_stage_quickly(in_tmp: Path):
-    start = time.perf_counter()
+def test_validate_prints_the_plan_per_stage(in_tmp: Path):
+    """(Its speed is benchmarks/validate_speed.py's to measure, not a timed test's.)"""
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
     assert exc is None and code == 1
-    assert time.perf_counter() - start < 2.0
     assert "memory plan" in out and "over" in out
     for label in ("parameters", "gradients", "optimizer states", "activations", "compressed KV", "top-k",
                   "logits + loss", "headroom", "total", "budget"):
         assert label in out, label
     code, out, _, _ = invoke(["validate", str(RECIPES / "bench_h200.yaml")])
     assert code == 0 and "memory plan" in out and " ok" in out
-
-
-def test_pure_validate_time_of_the_largest_recipes():
-    from v4launch.validators import validate_recipe
-
-    loaded = [load_recipe(RECIPES / n) for n in ("flash_8n.yaml", "pro_64n.yaml", "flash_4n.yaml")]
-    start = time.perf_counter()
-    for item in loaded:
-        validate_recipe(item)
-    assert time.perf_counter() - start < 1.0
 
 
 def test_explain_memory(in_tmp: Path):
