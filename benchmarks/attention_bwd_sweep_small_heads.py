@@ -74,6 +74,57 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+TIME_COLUMNS = [("csa ms", 7, lambda r: f"{r['ms']['csa']:.2f}"), ("hca ms", 7, lambda r: f"{r['ms']['hca']:.2f}"),
+                ("swa ms", 7, lambda r: f"{r['ms']['swa']:.2f}"), ("per step ms", 11, lambda r: f"{r['step_ms']:.2f}")]
+
+
+def print_table(title: str, rows: list[dict], columns: list) -> None:
+    """The rows that ran, fastest per step first, under ``title``; ``columns``: (header, width, cell(row)) with
+    a negative width for left-aligned (text) columns."""
+    print(f"\n{title}")
+    print(" ".join(f"{h:<{-w}}" if w < 0 else f"{h:>{w}}" for h, w, _ in columns))
+    for r in sorted((r for r in rows if "step_ms" in r), key=lambda r: r["step_ms"]):
+        print(" ".join(f"{c(r):<{-w}.{-w}}" if w < 0 else f"{c(r):>{w}}" for _, w, c in columns))
+
+
+def measure(row: dict, bwd, problems: dict, truth: dict, scale: float, reps: int) -> dict:
+    """Fill ``row`` with one backward's error against ``truth`` (the largest relative dq / dkv error over the
+    layers), its ms per layer and per benchmark step (``LAYERS``-weighted); an exception (out of shared memory
+    or registers) is recorded as ``row["error"]``, not raised. Prints the row as JSON and returns it."""
+    try:
+        for kind, p in problems.items():
+            dq, dkv, _ = bwd(*p, scale)
+            row["err"] = max(row["err"], rel(dq, truth[kind][0]), rel(dkv, truth[kind][1]))
+            row["ms"][kind] = timed(lambda: bwd(*p, scale), reps)
+        row["step_ms"] = sum(LAYERS[k] * row["ms"][k] for k in LAYERS)
+    except Exception as e:  # out of shared memory / registers: reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def sweep_two_pass(a, problems: dict, truth: dict, current: dict, scale: float, D: int) -> None:
+    """``--two-pass``: the single-pass kernel's current config, then every pass-1 x pass-2 config of
+    ``triton_attention_bwd`` at one small head block; prints the table, writes attention_bwd_two_pass_h<H>.json."""
+    from v4launch.model.kernels import triton_attention_bwd as tb
+
+    saved, rows = dict(tb.CONFIGS), []
+    rows.append(measure(dict(kernel="single-pass", dkv=current, dq=None, ms={}, err=0.0),
+                        ta.attention_bwd_single_pass, problems, truth, scale, a.reps))
+    for c1, c2 in itertools.product(tb.DKV_CANDIDATES, tb.DQ_CANDIDATES):
+        tb.CONFIGS.update(dkv=c1, dq=c2)
+        rows.append(measure(dict(kernel="two-pass", dkv=c1, dq=c2, ms={}, err=0.0),
+                            lambda *p: tb.attention_bwd(*p, dkv_kernel="triton"), problems, truth, scale, a.reps))
+    tb.CONFIGS.update(saved)
+    print_table(f"backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
+                f"{torch.cuda.get_device_name()}; error vs the single-pass kernel's current config", rows,
+                [("kernel", -12, lambda r: r["kernel"]), ("pass 1", -34, lambda r: str(r["dkv"]) if r["dq"] else "-"),
+                 ("pass 2", -30, lambda r: str(r["dq"] or "-")), *TIME_COLUMNS, ("err", 8, lambda r: f"{r['err']:.1e}")])
+    with open(os.path.join(a.out, f"attention_bwd_two_pass_h{a.heads}.json"), "w") as f:
+        json.dump(dict(heads=a.heads, gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
+                  indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
@@ -95,69 +146,22 @@ def main() -> None:
     key = "lp_h16" if a.heads <= 16 else "lp"  # the config attention_bwd_single_pass reads for bf16
     current = dict(ta.CONFIGS["bwd"][key])
     truth = {k: ta.attention_bwd_single_pass(*p, scale) for k, p in problems.items()}
-    rows = []
     if a.two_pass:
-        from v4launch.model.kernels import triton_attention_bwd as tb
-
-        saved = dict(tb.CONFIGS)
-        variants = [("single-pass", current, None)] + [
-            ("two-pass", c1, c2) for c1 in tb.DKV_CANDIDATES for c2 in tb.DQ_CANDIDATES]
-        for name, c1, c2 in variants:
-            if c2 is not None:
-                tb.CONFIGS.update(dkv=c1, dq=c2)
-                bwd = lambda *p: tb.attention_bwd(*p, dkv_kernel="triton")  # noqa: E731
-            else:
-                bwd = ta.attention_bwd_single_pass
-            row = dict(kernel=name, dkv=c1, dq=c2, ms={}, err=0.0)
-            try:
-                for kind, p in problems.items():
-                    dq, dkv, _ = bwd(*p, scale)
-                    row["err"] = max(row["err"], rel(dq, truth[kind][0]), rel(dkv, truth[kind][1]))
-                    row["ms"][kind] = timed(lambda: bwd(*p, scale), a.reps)
-                row["step_ms"] = sum(LAYERS[k] * row["ms"][k] for k in LAYERS)
-            except Exception as e:  # out of shared memory / registers: reported, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        tb.CONFIGS.update(saved)
-        ok = sorted((r for r in rows if "step_ms" in r), key=lambda r: r["step_ms"])
-        print(f"\nbackward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
-              f"{torch.cuda.get_device_name()}; error vs the single-pass kernel's current config")
-        print(f"{'kernel':<12} {'pass 1':<34} {'pass 2':<30} {'csa ms':>7} {'hca ms':>7} {'swa ms':>7} "
-              f"{'per step ms':>11} {'err':>8}")
-        for r in ok:
-            print(f"{r['kernel']:<12} {str(r['dkv'] if r['dq'] else '-'):<34.34} {str(r['dq'] or '-'):<30.30} "
-                  f"{r['ms']['csa']:>7.2f} {r['ms']['hca']:>7.2f} {r['ms']['swa']:>7.2f} {r['step_ms']:>11.2f} "
-                  f"{r['err']:>8.1e}")
-        with open(os.path.join(a.out, f"attention_bwd_two_pass_h{a.heads}.json"), "w") as f:
-            json.dump(dict(heads=a.heads, gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
-                      indent=1)
+        sweep_two_pass(a, problems, truth, current, scale, D)
         return
+    rows = []
     grid = [c for c in itertools.product((16, 32, 64), (1, 2, 4), (4, 8)) if c[:2] != (64, 1)]
     for BN, n_split, warps in grid:
         stages = 1
         cfg = dict(BN=BN, n_split=n_split, BH=64, num_warps=warps, num_stages=stages)
         ta.CONFIGS["bwd"][key] = cfg
-        row = dict(cfg, ms={}, err=0.0)
-        try:
-            for kind, p in problems.items():
-                dq, dkv, _ = ta.attention_bwd_single_pass(*p, scale)
-                row["err"] = max(row["err"], rel(dq, truth[kind][0]), rel(dkv, truth[kind][1]))
-                row["ms"][kind] = timed(lambda: ta.attention_bwd_single_pass(*p, scale), a.reps)
-            row["step_ms"] = sum(LAYERS[k] * row["ms"][k] for k in LAYERS)
-        except Exception as e:  # out of shared memory / registers: reported, not fatal
-            row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(measure(dict(cfg, ms={}, err=0.0), ta.attention_bwd_single_pass, problems, truth, scale, a.reps))
     ta.CONFIGS["bwd"][key] = current
-    ok = sorted((r for r in rows if "step_ms" in r), key=lambda r: r["step_ms"])
-    print(f"\nsingle-pass backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
-          f"{torch.cuda.get_device_name()}; current config {current}")
-    print(f"{'BN':>3} {'split':>5} {'warps':>5} {'stages':>6} {'csa ms':>7} {'hca ms':>7} {'swa ms':>7} "
-          f"{'per step ms':>11} {'err vs current':>14}")
-    for r in ok:
-        print(f"{r['BN']:>3} {r['n_split']:>5} {r['num_warps']:>5} {r['num_stages']:>6} {r['ms']['csa']:>7.2f} "
-              f"{r['ms']['hca']:>7.2f} {r['ms']['swa']:>7.2f} {r['step_ms']:>11.2f} {r['err']:>14.1e}")
+    print_table(f"single-pass backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
+                f"{torch.cuda.get_device_name()}; current config {current}", rows,
+                [("BN", 3, lambda r: str(r["BN"])), ("split", 5, lambda r: str(r["n_split"])),
+                 ("warps", 5, lambda r: str(r["num_warps"])), ("stages", 6, lambda r: str(r["num_stages"])),
+                 *TIME_COLUMNS, ("err vs current", 14, lambda r: f"{r['err']:.1e}")])
     with open(os.path.join(a.out, f"attention_bwd_sweep_h{a.heads}.json"), "w") as f:
         json.dump(dict(heads=a.heads, current=current, gpu=torch.cuda.get_device_name(),
                        torch=torch.__version__, rows=rows), f, indent=1)
