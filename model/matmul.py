@@ -34,21 +34,35 @@ def set_wide_gemm(enabled: bool) -> None:
     _WIDE["on"] = bool(enabled)
 
 
-_OUT_DTYPE_MM: dict[str, bool] = {}
-"""Per device type: whether ``torch.mm(a, b, out_dtype=...)`` runs there (probed once, eagerly)."""
+_PROBED: dict[tuple[str, str], bool] = {}
+"""(operation, device type) -> whether torch runs it correctly there (probed once, eagerly)."""
 
 
-def _out_dtype_mm_works(device: torch.device) -> bool:
-    key = device.type
-    if key not in _OUT_DTYPE_MM:
+def _probe_mm(device: torch.device) -> bool:
+    a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+    return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+
+
+def _probe_addmm(device: torch.device) -> bool:
+    a = torch.arange(4, device=device, dtype=torch.float32).reshape(2, 2).to(torch.bfloat16)
+    acc = torch.full((2, 2), 0.5, device=device)
+    torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # in place, against the two-step sum
+    return bool(torch.equal(acc, 0.5 + a.float() @ a.float()))
+
+
+def _works(probe, device: torch.device) -> bool:
+    """Whether ``probe`` (``_probe_mm``: ``mm(..., out_dtype=float32)``; ``_probe_addmm``: ``addmm(...,
+    out_dtype=float32, out=acc)`` accumulating in place) runs on ``device``'s type; cached. Inside a traced
+    region nothing is probed: CUDA builds of torch >= 2.8 have both."""
+    key = (probe.__name__, device.type)
+    if key not in _PROBED:
         if torch.compiler.is_compiling():
-            return key == "cuda"  # no probing inside a traced region; CUDA builds of torch >= 2.8 have it
+            return device.type == "cuda"
         try:
-            a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-            _OUT_DTYPE_MM[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            _PROBED[key] = probe(device)
         except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE_MM[key] = False
-    return _OUT_DTYPE_MM[key]
+            _PROBED[key] = False
+    return _PROBED[key]
 
 
 def mm_wide(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -61,27 +75,9 @@ def mm_wide(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.T
     """
     if out_dtype == a.dtype:
         return a @ b
-    if a.is_cuda and _out_dtype_mm_works(a.device):
+    if a.is_cuda and _works(_probe_mm, a.device):
         return torch.mm(a, b, out_dtype=torch.float32).to(out_dtype)
     return (a.float() @ b.float()).to(out_dtype)
-
-
-_OUT_DTYPE_ADDMM: dict[str, bool] = {}
-"""Per device type: whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates in place there
-(probed once, eagerly, against the two-step sum)."""
-
-
-def _out_dtype_addmm_works(device: torch.device) -> bool:
-    key = device.type
-    if key not in _OUT_DTYPE_ADDMM:
-        try:
-            a = torch.arange(4, device=device, dtype=torch.float32).reshape(2, 2).to(torch.bfloat16)
-            acc = torch.full((2, 2), 0.5, device=device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _OUT_DTYPE_ADDMM[key] = bool(torch.equal(acc, 0.5 + a.float() @ a.float()))
-        except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE_ADDMM[key] = False
-    return _OUT_DTYPE_ADDMM[key]
 
 
 def addmm_wide_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -89,13 +85,13 @@ def addmm_wide_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     accumulated in float32 (float64 for float64 operands); returns acc.
 
     The GEMM adds into ``acc`` in its epilogue (``addmm_``; on CUDA for a float32 acc of bf16 / fp16 operands,
-    ``addmm(..., out_dtype=float32)`` where :func:`_out_dtype_addmm_works`): no [M, N] product is written and
+    ``addmm(..., out_dtype=float32)`` where it works, probed once): no [M, N] product is written and
     read back by a separate add, and a low-precision acc is rounded once per call instead of twice. Elsewhere
     ``acc += mm_wide(a, b, acc.dtype)``, the same value up to the summation order.
     """
     if acc.dtype == a.dtype:
         return acc.addmm_(a, b)
-    if a.is_cuda and a.dtype in LOW_PRECISION and acc.dtype == torch.float32 and _out_dtype_addmm_works(a.device):
+    if a.is_cuda and a.dtype in LOW_PRECISION and acc.dtype == torch.float32 and _works(_probe_addmm, a.device):
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     acc += mm_wide(a, b, acc.dtype) if a.dtype in LOW_PRECISION else (a @ b).to(acc.dtype)
     return acc

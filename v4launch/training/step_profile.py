@@ -166,7 +166,7 @@ class StepProfiler:
         import torch
 
         device = f"{cuda:.1f} ms/step" if torch.cuda.is_available() else "n/a (no GPU)"
-        header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, host (self CPU, GPU waits excluded) "
-                  f"{cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
+        header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, "
+                  f"host (self CPU, GPU waits excluded) {cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
         path.write_text(header + events.table(sort_by=sort, row_limit=ROWS) + "\n")
         return path

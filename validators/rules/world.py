@@ -93,4 +93,5 @@ def check_batch(ctx: Context):
     gbs, mbs = ctx.recipe.stage_global_batch(ctx.stage), ctx.parallel.micro_batch_size
     if gbs % (mbs * ctx.dp):
         return ctx.finding(ctx.global_batch_field, gbs, f"global batch {gbs} is not divisible by micro_batch·dp = {mbs}·{ctx.dp}")
-    return ctx.ok(ctx.global_batch_field, gbs, f"{gbs // (mbs * ctx.dp)} {micro_batches(gbs // (mbs * ctx.dp))} per rank")
+    n = gbs // (mbs * ctx.dp)
+    return ctx.ok(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank")
