@@ -52,7 +52,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -154,10 +153,9 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
 
     ``cuda_graph``: the whole step captured once in a CUDA graph and replayed (no host work per step). The
     batch's tables (ids checked, the pack, RoPE and compress plans) are built once outside the graph with
-    ``V4Model.batch_context`` and the step runs the forward's three pieces on them, as a pipeline stage
-    does: check_ids' host read cannot be captured. Valid because the benchmark's batch never changes;
-    the product's batches change shape from step to step (documents packed whole), so it does not apply
-    there. ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
+    ``V4Model.batch_context`` and the step runs ``V4Model.forward_in`` on them: check_ids' host read cannot be
+    captured. The tables are captured as they are (the benchmark's batch never changes); the product gives its
+    batches static shapes and copies each one's tables in (``training/graph_step.py``). ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
     """
     tokens, cu, max_seqlen, labels, _ = batch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True,
@@ -173,11 +171,7 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
     ctx = model.batch_context(tokens, cu, max_seqlen, labels)
 
     def captured_step():
-        aux: dict[str, torch.Tensor] = {}
-        h, e_mtp = model.embed_streams(tokens, ctx)
-        h = model.run_layers(h, tokens, ctx, aux)
-        lm_loss, _ = model.head_losses(h, e_mtp, tokens, labels, ctx, aux)
-        total_loss(SimpleNamespace(lm_loss=lm_loss, aux_losses=aux)).backward()
+        total_loss(model.forward_in(ctx, tokens, labels)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)  # the captured backward then writes the gradients, never adds to them
         model.update_router_bias(1e-3)

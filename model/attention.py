@@ -32,7 +32,7 @@ from .common import FP32Pinned, RMSNorm, acc_dtype, linear, on_device_count, rms
 from .compressor import Compressor
 from .indexer import Indexer, kl_teacher_student, select_topk
 from .kernels.layer import attention_forward, gather_label
-from .packing import CompressPlan, EntryMemory, Pack, entry_range, visible_table
+from .packing import CompressPlan, EntryMemory, Pack, compress_plan, entry_range, visible_table
 from .parallel import SINGLE_DEVICE, ContextParallel, Shard
 from .rope import RotaryEmbedding, apply_rope
 
@@ -79,10 +79,41 @@ class BatchContext:
         """Rows attention reads as keys: ``shard.left`` boundary rows, then the local rows."""
         return self.shard.ext
 
-    def plan(self, ratio: int) -> CompressPlan:
+    def plan(self, ratio: int, entries: Optional[int] = None) -> CompressPlan:
+        """The compress plan of ``ratio`` (built on first use; ``entries``: the static entry count of a
+        ``packing.pad_pack`` batch, one device only)."""
         if ratio not in self._plans:
-            self._plans[ratio] = self.cp.plan(self.shard, ratio)
+            self._plans[ratio] = (self.cp.plan(self.shard, ratio) if entries is None
+                                  else compress_plan(self.pack, ratio, entries))
         return self._plans[ratio]
+
+    def load(self, other: "BatchContext") -> None:
+        """Copy the tables of ``other`` (a batch of the same static shapes: ``V4Model.batch_context`` with the
+        same ``static_seqlen`` and T) into this context's tensors, in place: a CUDA graph captured on this
+        context then runs on ``other``'s batch. RoPE tables are dropped, not copied: the next forward builds
+        them from the new ``pack.pos``, and a forward captured after a ``load`` records that build, so every
+        replay rebuilds them.
+
+        Raises:
+            ValueError: the contexts differ in a shape, a host bound, the plans held or the phase.
+        """
+        pairs = [(self.pack, other.pack)] + [(self._plans.get(r), p) for r, p in other._plans.items()]
+        if (self.kl_target != other.kl_target or set(self._plans) != set(other._plans)
+                or self.shard.ext is not self.pack or other.shard.ext is not other.pack):
+            raise ValueError("BatchContext.load: the contexts differ in phase, compress plans or sharding")
+        for mine, theirs in pairs:
+            for name, value in vars(theirs).items():
+                held = getattr(mine, name)
+                if isinstance(value, torch.Tensor):
+                    if held.shape != value.shape or held.dtype != value.dtype:
+                        raise ValueError(f"BatchContext.load: {type(mine).__name__}.{name} is "
+                                         f"{tuple(value.shape)} {value.dtype}, the static one "
+                                         f"{tuple(held.shape)} {held.dtype}: not the same static batch shape")
+                    held.copy_(value, non_blocking=True)
+                elif name != "cu_host" and held != value:
+                    raise ValueError(f"BatchContext.load: {type(mine).__name__}.{name} = {value!r}, the static "
+                                     f"one {held!r}: not the same static batch shape")
+        self._rope.clear()  # eager use rebuilds them from the new positions; a capture after load records that
 
     def cached_keys(self) -> tuple[frozenset, frozenset]:
         """The keys of the compress plans and RoPE tables built so far (see :meth:`as_of`)."""

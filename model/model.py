@@ -27,8 +27,8 @@ from .loss import HeadLogits
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .mtp import MTPBlock
-from .packing import check_ids, shift_in_segment
-from .parallel import SINGLE_DEVICE, ContextParallel
+from .packing import check_ids, pad_pack, shift_in_segment
+from .parallel import SINGLE_DEVICE, ContextParallel, Shard
 
 Phase = Literal["dense", "warmup", "sparse"]
 """dense: no indexer, CSA attends every visible compressed entry. warmup: indexer built,
@@ -276,7 +276,13 @@ class V4Model(FP32Pinned):
         Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels, and under
             CP when cu_seqlens[-1] != cp * L or L < the boundary width.
         """
-        ctx = self.batch_context(tokens, cu_seqlens, max_seqlen, labels)
+        return self.forward_in(self.batch_context(tokens, cu_seqlens, max_seqlen, labels), tokens, labels,
+                               return_logits)
+
+    def forward_in(self, ctx: BatchContext, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                   return_logits: bool = False) -> ModelOutput:
+        """The forward on tables already built by :meth:`batch_context` (no host synchronisation when the
+        kernels are sync-free: what a captured CUDA graph runs). Arguments and result as :meth:`forward`."""
         aux: dict[str, torch.Tensor] = {}
         h, e_mtp = self.embed_streams(tokens, ctx, with_mtp=labels is not None)
         h = self.run_layers(h, tokens, ctx, aux)
@@ -290,13 +296,27 @@ class V4Model(FP32Pinned):
         return HeadLogits(hidden, self.head.weight, self._kernels(hidden.device))
 
     def batch_context(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                      labels: Optional[torch.Tensor] = None) -> BatchContext:
+                      labels: Optional[torch.Tensor] = None, *, static_seqlen: Optional[int] = None) -> BatchContext:
         """Check a packed batch (arguments as in :meth:`forward`) and build the tables every layer reads.
 
-        Raises: ValueError as :meth:`forward`.
+        ``static_seqlen``: tables whose shapes depend only on T and this bound on any segment's length
+        (``packing.pad_pack``: T segment rows, ``max_seqlen = static_seqlen``, ``T // ratio`` compressed
+        entries per ratio), so that a step captured in a CUDA graph on one batch replays on any other batch
+        of T tokens after :meth:`BatchContext.load`. The losses and gradients are those of the exact tables
+        (tests/model/test_static_batch.py). One device only.
+
+        Raises: ValueError as :meth:`forward`; a segment longer than ``static_seqlen``; ``static_seqlen``
+            under context parallelism.
         """
-        shard = self.cp.shard(tokens, cu_seqlens, max_seqlen, self.args.window_size, self.args.compress_ratios)
+        if static_seqlen is not None and self.cp.size > 1:
+            raise ValueError(f"static_seqlen={static_seqlen}: static batch tables are for one device, "
+                             f"not context parallelism (cp={self.cp.size}). Fix: leave static_seqlen unset")
+        shard = self.cp.shard(tokens, cu_seqlens, max_seqlen if static_seqlen is None else static_seqlen,
+                              self.args.window_size, self.args.compress_ratios)
         check_ids(tokens, labels, self.args.vocab_size)
+        if static_seqlen is not None:
+            pack = pad_pack(shard.pack, tokens.numel(), static_seqlen)
+            shard = Shard(pack=pack, ext=pack)
         for block in self._blocks():  # RoPE tables on the device before any compiled region reads them
             block.attn.rope.inv_freq_on(tokens.device)
         ctx = BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
@@ -306,7 +326,7 @@ class V4Model(FP32Pinned):
         # (a sum over the pack's host boundaries) guarded the block's graph on the number of documents, and every
         # new count recompiled it (a product batch packs a different number of documents each step).
         for ratio in sorted({r for r in self.args.compress_ratios if r}):
-            ctx.plan(ratio)
+            ctx.plan(ratio, entries=None if static_seqlen is None else tokens.numel() // ratio)
         return ctx
 
     def embed_streams(self, tokens: torch.Tensor, ctx: BatchContext,

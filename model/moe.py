@@ -40,7 +40,8 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
 
     Args:
         scores: [T, E] unbiased router affinities s (>= 0). indices: [T, K] chosen experts.
-        seg: [T] segment id of each token.
+        seg: [T] segment id of each token. n_segments: N, the rows of the per-segment tables (under
+            ``packing.pad_pack`` empty segments follow the real ones; the mean is over non-empty segments).
         cp: context-parallel hooks (``parallel.ContextParallel``) or None. Under CP the rows
             are one rank's slice, ``seg`` holds global segment ids; f and T_b are summed over
             ranks and ``L`` (linear in P) is the replicated sum of the ranks' partial sums.
@@ -60,8 +61,11 @@ def sequence_balance_loss(scores: torch.Tensor, indices: torch.Tensor, seg: torc
     if split:
         counts = cp.sum_counts(counts)  # global f (no gradient)
     t_b = counts.sum(dim=1) / K  # [N] tokens per segment: each token picks exactly K experts (exact below 2^24 / K)
-    per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b)  # under CP: this rank's share of P
-    return cp.sum_partial(per_seg.sum()) / n_segments if split else per_seg.mean()
+    # a real segment holds >= 1 token; an empty one (the static padding of packing.pad_pack) adds 0, not 0/0
+    per_seg = (counts * p_sum).sum(dim=1) * n_experts / (K * t_b * t_b).clamp_min(1e-30)  # CP: this rank's share of P
+    if split:
+        return cp.sum_partial(per_seg.sum()) / n_segments
+    return per_seg.sum() / (t_b > 0).sum().clamp_min(1)  # the mean over real segments, counted on the device
 
 
 class Gate(FP32Pinned):

@@ -165,8 +165,38 @@ class CompressPlan:
     phys: torch.Tensor | None = None
 
 
-def compress_plan(pack: Pack, ratio: int) -> CompressPlan:
-    """Build the :class:`CompressPlan` of ``ratio`` for ``pack`` (vectorised over entries)."""
+def pad_pack(pack: Pack, n_segments: int, max_seqlen: int) -> Pack:
+    """``pack`` with batch-independent shapes, for a step captured once in a CUDA graph and replayed on new batches.
+
+    The segment tables grow to ``n_segments`` entries (the real segments, then empty ones that start and end
+    at T: ``lengths`` 0, no token belongs to them) and ``max_seqlen`` becomes the static bound (host ints
+    that size tables must not change between replays). Everything a token reads (``seg``, ``pos``) is
+    unchanged, so the model's outputs are the same (tests/model/test_static_batch.py). ``cu_host`` is
+    dropped: host sizes come from the bounds (:func:`compress_plan` with ``entries``).
+
+    Raises:
+        ValueError: ``n_segments`` below the real segment count or ``max_seqlen`` below the pack's bound.
+    """
+    n = pack.n_segments
+    if n_segments < n or max_seqlen < pack.max_seqlen:
+        raise _bad("static shape", f"({n_segments} segments, max_seqlen {max_seqlen})",
+                   f"must hold the batch ({n} segments, max_seqlen {pack.max_seqlen})",
+                   "size the static batch from the stage's tokens per micro-batch and seq_len")
+    cu = torch.cat((pack.cu, pack.cu.new_full((n_segments - n,), pack.n_tokens)))
+    return Pack(cu=cu, lengths=cu[1:] - cu[:-1], seg=pack.seg, pos=pack.pos, n_tokens=pack.n_tokens,
+                max_seqlen=max_seqlen, cu_host=None)
+
+
+def compress_plan(pack: Pack, ratio: int, entries: int | None = None) -> CompressPlan:
+    """Build the :class:`CompressPlan` of ``ratio`` for ``pack`` (vectorised over entries).
+
+    ``entries``: a static entry count C (>= the real one; ``T // ratio`` always holds a batch of T tokens)
+    for a batch of :func:`pad_pack`. Entries past the real ones start at token 0 with position 0 and no
+    previous window: the compressor computes them, and no query sees them (``n_visible`` and ``seg_offset``
+    reach only real entries). No host synchronisation either way.
+    """
+    if entries is not None:
+        return _static_compress_plan(pack, ratio, entries)
     counts = pack.lengths // ratio  # [N]
     if pack.cu_host is not None:  # host boundaries: no device synchronisation for the entry count
         C = sum((b - a) // ratio for a, b in zip(pack.cu_host, pack.cu_host[1:]))
@@ -178,6 +208,20 @@ def compress_plan(pack: Pack, ratio: int) -> CompressPlan:
     return CompressPlan(ratio=ratio, n_entries=C, start=pack.cu[entry_seg] + i * ratio, pos=i * ratio,
                         has_prev=i > 0, seg_offset=seg_offset, n_visible=(pack.pos + 1) // ratio,
                         max_entries=pack.max_seqlen // ratio)
+
+
+def _static_compress_plan(pack: Pack, ratio: int, entries: int) -> CompressPlan:
+    counts = pack.lengths // ratio  # [N]
+    ends = torch.cumsum(counts, 0)
+    seg_offset = ends - counts
+    e = torch.arange(entries, device=counts.device)
+    entry_seg = torch.searchsorted(ends, e, right=True).clamp_max(counts.numel() - 1)
+    i = e - seg_offset[entry_seg]
+    real = e < ends[-1]
+    zero = torch.zeros_like(e)
+    return CompressPlan(ratio=ratio, n_entries=entries, start=torch.where(real, pack.cu[entry_seg] + i * ratio, zero),
+                        pos=torch.where(real, i * ratio, zero), has_prev=real & (i > 0), seg_offset=seg_offset,
+                        n_visible=(pack.pos + 1) // ratio, max_entries=pack.max_seqlen // ratio)
 
 
 def visible_table(pack: Pack, plan: CompressPlan, rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
