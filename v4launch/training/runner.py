@@ -23,6 +23,7 @@ from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelM
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
+from .graph_step import CapturedStep, stage_graph_plan
 from .manifest_tables import param_group_tables
 from .model_adapter import model_args_from_recipe
 from .optim import Optimizers
@@ -81,6 +82,7 @@ class Runner:
         self.resumed_from: Path | None = None
         self.saved_layout: tuple[int, int, int, int] | None = None  # (dp, cp, pp, ep) of the loaded checkpoint
         self.pm: ParallelModel | None = None
+        self.captured: CapturedStep | None = None  # compile.cuda_graph: the stage's captured step
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
         self.init_note: str | None = None  # what model.init_from_released loaded (logged at start)
@@ -226,6 +228,19 @@ class Runner:
         self._saved_loader = None
         self.loader_stage = plan.index
         self.batches = iter(self.loader)
+        self._set_graph(plan)
+
+    def _set_graph(self, plan: StagePlan) -> None:
+        """``compile.cuda_graph``: a fresh captured step for the stage (captured at its first micro-batch), or
+        none where the stage reads the host inside its step; the log says which and why."""
+        self.captured = None  # the previous stage's graph (its phase, kernels, shapes) goes
+        use, text = stage_graph_plan(self.recipe, plan, self.model.kernels_for(self.info.device).name,
+                                     self.info.device)
+        if use:
+            self.captured = CapturedStep(self.model, seq_len=plan.seq_len, accum=plan.accum, autocast=self.autocast,
+                                         report=self.run.paths.root / f"cuda_graph_capture_rank{self.info.rank}.txt")
+        if text:
+            self.metrics.event(self.progress.step, "cuda_graph", text, captured=use)
 
     def _set_layout(self, plan: StagePlan) -> None:
         """The stage's ``[dp][cp]`` layout; the model gets the stage's CP hooks (same parameters). The
@@ -339,7 +354,7 @@ class Runner:
                            grad_clip=self.recipe.optimizer.grad_clip,
                            bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast,
                            cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout, experts=self.pm.experts,
-                           sharded=self.pm.sharded)
+                           sharded=self.pm.sharded, captured=self.captured)
         dt = time.monotonic() - t0
         p = self.progress
         p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \

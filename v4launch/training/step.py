@@ -129,8 +129,12 @@ def _stats(sums: dict[str, float], n: int, weights: LossWeights, info: DistInfo,
 
 
 def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, weights: LossWeights,
-               autocast: Callable[[], contextlib.AbstractContextManager]) -> tuple[dict[str, torch.Tensor], int, int]:
+               autocast: Callable[[], contextlib.AbstractContextManager],
+               captured: Any = None) -> tuple[dict[str, torch.Tensor], int, int]:
     """Forward + backward of each micro-batch with ``total / accum``; gradients accumulate in ``.grad``.
+
+    ``captured``: a ``graph_step.CapturedStep`` of the stage (``compile.cuda_graph``): each micro-batch is a
+    replay of the captured forward + backward instead (the same loss composition).
 
     Returns (sum over micro-batches of each loss name's raw value, as float64 0-d tensors on the model's
     device: nothing is read back here, :func:`train_step` reads them with the gradient norm in one transfer
@@ -143,11 +147,15 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
     sums: dict[str, torch.Tensor] = {}  # on the device: no host sync per loss and micro-batch
     n = tokens = 0
     for mb in micro_batches:
-        with autocast():
-            out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
-        loss = compose_loss(out.lm_loss, out.aux_losses, weights)
-        (loss / accum).backward()
-        for name, value in (("lm_loss", out.lm_loss), *out.aux_losses.items()):
+        if captured is not None:
+            values = captured(mb, weights.of)
+        else:
+            with autocast():
+                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
+            loss = compose_loss(out.lm_loss, out.aux_losses, weights)
+            (loss / accum).backward()
+            values = {"lm_loss": out.lm_loss, **out.aux_losses}
+        for name, value in values.items():
             v = value.detach().to(torch.float64)
             sums[name] = sums[name] + v if name in sums else v
         n += 1
@@ -166,7 +174,7 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
                weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
                autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1,
                pipeline: Any = None, layout: Layout | None = None, experts: frozenset = frozenset(),
-               sharded: bool = False) -> StepStats:
+               sharded: bool = False, captured: Any = None) -> StepStats:
     """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases.
 
     Args:
@@ -182,13 +190,16 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
             pipeline, EP and edp groups).
         experts: the routed-expert parameters this EP rank holds (ep > 1): reduced over the edp group.
         sharded: the other parameters are FSDP2 DTensors whose gradients the backward already reduced.
+        captured: the stage's ``graph_step.CapturedStep`` (``compile.cuda_graph``; pp = 1): the micro-batches
+            replay it, and the gradients are zeroed in place after the optimizer step (the graph owns them).
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
     model.train()
     on_device: dict[str, torch.Tensor] = {}
     if pipeline is None:
-        on_device, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast)
+        on_device, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast,
+                                          captured=captured)
     else:
         batches = list(micro_batches)
         if len(batches) != accum:
@@ -202,7 +213,10 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     norm = _reduce_and_clip(params, info, layout, dp=layout.dp if layout is not None else info.world // cp,
                             max_norm=grad_clip if grad_clip > 0 else math.inf, experts=experts, sharded=sharded)
     opt.step()
-    opt.zero_grad()
+    if captured is None:
+        opt.zero_grad()
+    else:  # the graph adds into these very tensors at the next replay
+        opt.zero_grad(set_to_none=False)
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
     model.update_router_bias(bias_speed)
     # the step's one read of device values, after everything is queued: the host never waits mid-step

@@ -1,0 +1,168 @@
+"""``compile.cuda_graph``: one micro-batch's forward and backward captured once per stage in a CUDA graph and
+replayed for every micro-batch after it.
+
+Without a graph the step of a small model is host-bound: on one H200 the benchmark model's compiled step
+spent ~225 ms of host time per step against ~165 ms of GPU time (benchmarks/results/train_step_h200.md). A
+replay launches the whole forward and backward with one call.
+
+What makes a product batch replayable: every shape a step allocates is fixed by the stage, not by the
+batch. ``V4Model.batch_context(..., static_seqlen=seq_len)`` builds the tables with T segment rows, the
+stage's ``seq_len`` as the length bound and ``T // ratio`` compressed entries per ratio
+(``model/packing.py`` ``pad_pack``; the same losses and gradients as the exact tables,
+tests/model/test_static_batch.py). Each micro-batch's tables are built eagerly (the id check and the
+boundary read stay on the host, outside the graph), copied into the captured ones (``BatchContext.load``)
+with the tokens and labels, and the graph replays.
+
+Around the graph, eagerly: the gradient reduction over data-parallel replicas, the clip, the optimizer and
+the router-bias update (``step.train_step``). Gradients accumulate in place into the ``.grad`` tensors the
+graph captured, so the step zeroes them in place (``Optimizers.zero_grad(set_to_none=False)``). The loss
+weights are device scalars filled before each replay (the MTP weight drops when the LR decays).
+
+Stages that read the host inside the step (the warm-up's dense KL target; the reference and cudnn
+kernels) run eagerly: ``validators/rules/cuda_graph.py`` ``graph_free_reason`` decides, and both the
+validator and the job state it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..errors import V4LaunchError
+from ..validators.rules.cuda_graph import graph_free_reason
+from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
+
+
+class CaptureError(V4LaunchError):
+    """The step could not be captured (something in it synchronises with the host or changes shape)."""
+
+
+class CapturedStep:
+    """Forward + backward of one micro-batch of a stage, captured at the first call and replayed after.
+
+    Args:
+        model: the single-device ``V4Model`` (its phase and kernels fixed for the stage).
+        seq_len: the stage's row length (the bound on any segment): tokens per micro-batch T = rows · seq_len.
+        accum: micro-batches per step (the loss is scaled by 1/accum, as ``step.accumulate``).
+        autocast: the step's autocast context factory.
+        warmup: eager forward/backward passes on a side stream before the capture (compiling, Triton's
+            first launches, the autograd graph's first allocation of every ``.grad``); their gradients and
+            expert counts are discarded.
+        report: where a failed capture writes its whole exception chain (the message names the file).
+    """
+
+    def __init__(self, model: nn.Module, *, seq_len: int, accum: int,
+                 autocast: Callable[[], contextlib.AbstractContextManager], warmup: int = 2,
+                 report: Path | None = None) -> None:
+        self.model, self.seq_len, self.accum, self.autocast, self.warmup = model, seq_len, accum, autocast, warmup
+        self.report = report
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.ctx: Any = None
+        self.tokens = self.labels = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, mb: Any, loss_weight: Callable[[str], float]) -> dict[str, torch.Tensor]:
+        """Run micro-batch ``mb`` (``tokens`` / ``labels`` [T] on the GPU, ``cu_seqlens`` [N+1], ``max_seqlen``):
+        its gradients are added to ``.grad``. Returns the raw losses by name (``lm_loss`` and the aux
+        losses, 0-d tensors owned by the graph: read or copy them before the next call).
+
+        Raises:
+            ValueError: a batch of another T, or a segment longer than ``seq_len``.
+            CaptureError: the first call could not capture the step.
+        """
+        ctx = self.model.batch_context(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels,
+                                       static_seqlen=self.seq_len)
+        if self.graph is None:
+            self._capture(mb, ctx, loss_weight)
+        else:
+            if mb.tokens.shape != self.tokens.shape:
+                raise ValueError(f"captured step: a micro-batch of {mb.tokens.numel()} tokens, the graph holds "
+                                 f"{self.tokens.numel()}. Fix: one micro-batch size and seq_len per stage")
+            self.ctx.load(ctx)
+            self.tokens.copy_(mb.tokens, non_blocking=True)
+            self.labels.copy_(mb.labels, non_blocking=True)
+        self._fill_weights(loss_weight)
+        self.graph.replay()
+        return self.outputs
+
+    def _fill_weights(self, loss_weight: Callable[[str], float]) -> None:
+        for name, w in self.weights.items():
+            w.fill_(loss_weight(name))
+
+    def _forward_backward(self, loss_weight: Callable[[str], float]) -> dict[str, torch.Tensor]:
+        with self.autocast():
+            out = self.model.forward_in(self.ctx, self.tokens, self.labels)
+        if self.weights is None:  # the aux-loss names are known after the first forward
+            self.weights = {n: torch.zeros((), dtype=v.dtype, device=v.device) for n, v in out.aux_losses.items()}
+            self._fill_weights(loss_weight)
+        total = out.lm_loss
+        for name in sorted(out.aux_losses):
+            total = total + self.weights[name] * out.aux_losses[name]
+        (total / self.accum).backward()
+        return {"lm_loss": out.lm_loss.detach(), **{n: v.detach() for n, v in out.aux_losses.items()}}
+
+    def _capture(self, mb: Any, ctx: Any, loss_weight: Callable[[str], float]) -> None:
+        self.ctx, self.tokens, self.labels = ctx, mb.tokens.clone(), mb.labels.clone()
+        counts = [m.expert_counts for m in self.model.modules() if hasattr(m, "expert_counts")]
+        kept = [c.clone() for c in counts]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._forward_backward(loss_weight)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.no_grad():  # the warm-ups' gradients and expert counts are not this step's
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+                for c, k in zip(counts, kept):
+                    c.copy_(k)
+            self.ctx._rope.clear()  # built inside the capture, so that every replay rebuilds them
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of the job's other threads (compile workers, the data loader) during the
+            # capture do not invalidate it; this thread's own unsafe calls still fail it
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.outputs = self._forward_backward(loss_weight)
+        except RuntimeError as exc:
+            self.graph = None
+            saved = ""
+            if self.report is not None:
+                self.report.parent.mkdir(parents=True, exist_ok=True)
+                self.report.write_text("".join(traceback.format_exception(exc)))
+                saved = f"; the whole exception chain is in {self.report}"
+            raise CaptureError(f"compile.cuda_graph: capturing the step failed: {_first_failure(exc)}{saved}",
+                               hint="set compile.cuda_graph=false (the stage then runs eagerly) and report the "
+                                    "message: the validator admitted this stage for capture") from exc
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The error that broke the capture (the first of a chain: later ones only say the capture was invalidated)
+    and the innermost model or job frame that raised it."""
+    while exc.__context__ is not None and isinstance(exc.__context__, Exception):
+        exc = exc.__context__
+    where = [f for f in traceback.extract_tb(exc.__traceback__) if "v4launch" in f.filename]
+    place = f" (at {where[-1].filename.rsplit('/', 2)[-2]}/{where[-1].filename.rsplit('/', 1)[-1]}:{where[-1].lineno} " \
+            f"{where[-1].name})" if where else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}{place}"
+
+
+def stage_graph_plan(recipe: Any, plan: Any, running_backend: str, device: torch.device) -> tuple[bool, str]:
+    """(capture this stage's step?, the sentence the job logs). The decision of rule V4-CUDA-GRAPH, on what the
+    job actually runs: the backend the device runs (not only the requested one) and the phase's KL target
+    (the job trains each phase's default target: ``plan.plan_curriculum`` refuses others)."""
+    if not recipe.compile.cuda_graph:
+        return False, ""
+    if device.type != "cuda":
+        return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: the device is {device.type}"
+    kl = None if plan.phase == "dense" else DEFAULT_INDEXER_LOSS[plan.phase]
+    reason = graph_free_reason(plan.phase, kl, running_backend)
+    if reason:
+        return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: {reason}"
+    return True, f"compile.cuda_graph: stage {plan.name} captures one micro-batch step and replays it"
