@@ -109,6 +109,7 @@ COVERAGE: dict[str, Coverage] = {
     "precision.policy.attn_sink": Refused("V4-PREC-FP32-PINS", "precision.policy.attn_sink=bf16"),
     "compile.enable": Honoured(RUNNER_INIT),
     "compile.backend": Honoured(RUNNER_INIT),
+    "compile.cuda_graph": Honoured("v4launch.training.graph_step:stage_graph_plan"),
     "cluster.gpu": Honoured(SBATCH),
     "cluster.nodes": Honoured(SBATCH),
     "cluster.gpus_per_node": Honoured(SBATCH),

@@ -1,7 +1,6 @@
 """Settings that make an over-budget curriculum stage fit: the fixes V4-MEMORY proposes (pure Python).
 
-Each proposal is a set of recipe edits (dotted key → value, the same keys a dotlist override takes) and
-the memory plan of the stage with them. Tried in order, each on its own, the smallest step that fits:
+A proposal: recipe edits (dotted key → value) and the stage's plan with them; tried in order, alone, smallest first:
 
 1. more context parallelism for the stage (``curriculum.stages.N.cp``): fewer rows per rank;
 2. more expert parallelism (``parallel.ep``): fewer routed experts per rank;
@@ -11,17 +10,15 @@ the memory plan of the stage with them. Tried in order, each on its own, the sma
    whole-layer recompute (``parallel.recompute_granularity=full``);
 6. all of the above together (whole-layer recompute included).
 
-A proposal is made only when every stage of the curriculum then fits, so each fix printed is a whole one.
+A proposal is made only when every stage then fits (each fix printed is a whole one);
 ``parallel.micro_batch_size=1`` is tried first when the recipe packs several sequences per micro-batch.
-
 When nothing on the recipe's nodes fits, :func:`whole_recipe_fit` proposes one set of edits for the whole
 curriculum: the fewest nodes (1, 2, 4, … 64 times the recipe's), a pipeline size, the largest ep, the
-distributed optimizer, whole-layer recompute and each stage's smallest cp that fits.
-
+distributed optimizer, whole-layer recompute, one row per micro-batch and each stage's smallest cp that fits.
 Every proposal is then checked against every other error rule of the contract (:func:`contract_failures`,
-V4-MEMORY itself left out): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or the CP rules is
-never proposed. Sizes are searched over divisors only, so an absurd world size costs no more than a real one.
-"""
+V4-MEMORY left out): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or V4-CUDA-GRAPH is never
+proposed (:func:`graph_compatible` turns the graph off where a fix splits the step). Sizes are searched over
+divisors only, so an absurd world size costs no more than a real one."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ from .schema.recipe import Recipe
 
 FULL_RECOMPUTE = {"parallel.recompute_granularity": "full", "parallel.recompute_modules": []}
 """Whole-layer recompute: each layer keeps only its input streams (``recompute_policy``)."""
-
 MAX_NODE_SCALE = 64
 """Largest multiple of the recipe's nodes a proposal considers."""
 
@@ -90,6 +86,13 @@ def with_edits(recipe: Recipe, edits: dict[str, Any]) -> Recipe:
     update: dict[str, Any] = {name: getattr(recipe, name).model_copy(update=vals) for name, vals in sections.items()}
     update["curriculum"] = recipe.curriculum.model_copy(update={"stages": tuple(stages)})
     return recipe.model_copy(update=update)
+
+
+def graph_compatible(recipe: Recipe, edits: dict[str, Any]) -> dict[str, Any]:
+    """``edits`` + ``compile.cuda_graph: false`` where they split a captured step over GPUs (V4-CUDA-GRAPH)."""
+    splits = edits.get("parallel.distributed_optimizer") or any(
+        (k in ("parallel.pp", "parallel.ep") or k.endswith(".cp")) and v > 1 for k, v in edits.items() if type(v) is int)
+    return {**edits, "compile.cuda_graph": False} if splits and recipe.compile.cuda_graph else edits
 
 
 def _plan(recipe: Recipe, index: int, edits: dict[str, Any]) -> MemoryPlan | None:
@@ -225,6 +228,7 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
     seen: set[str] = set()
     for edits in _single_changes(recipe, index) + _recompute_changes(recipe):
         key = next(iter(k for k in edits if k != "precision.keep_fp32_params"))
+        edits = graph_compatible(recipe, edits)
         if key in seen:
             continue
         plan = _plan(recipe, index, edits)
@@ -236,6 +240,7 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
     if found:
         return found
     combined = _combined(recipe, index)
+    combined = graph_compatible(recipe, combined) if combined else None
     plan = _plan(recipe, index, combined) if combined else None
     return [Proposal(combined, plan)] if plan is not None else []
 
@@ -304,6 +309,9 @@ def _whole_fit_at(recipe: Recipe, nodes: int, pp: int) -> Proposal | None:
         edits["parallel.pp_layout"] = layout
     if pp > 1 and recipe.precision.keep_fp32_params:
         edits["precision.keep_fp32_params"] = False
+    if p.micro_batch_size > 1:  # context parallelism splits one row per micro-batch (V4-CP-MICRO-BATCH)
+        edits["parallel.micro_batch_size"] = 1
+    edits = graph_compatible(recipe, edits)
     stages = recipe.curriculum.stages
     options = {i: [cp for cp in divisors(shard) if _cp_ok(recipe, i, cp, shard)] for i in range(len(stages))}
     for i in sorted(options, key=lambda j: -stages[j].seq_len):  # the longest first: a shape that cannot fit fails fast

@@ -94,6 +94,14 @@ class CompileConfig(Section):
 
     enable: bool = Field(False, description="torch.compile each decoder block and MTP layer (model/compile.py); a region under recompute is compiled inside its checkpoint. Costs compile time at the start and at each phase or kernel change.")
     backend: Literal["inductor", "aot_eager"] = Field("inductor", description="inductor: generated kernels (Triton on GPUs, C++ on CPUs: needs a C++ compiler); aot_eager: traces forward and backward, runs them eagerly (checks the tracing, no speed-up).")
+    cuda_graph: bool = Field(False, description=(
+        "Capture each micro-batch's forward and backward in one CUDA graph per stage and replay it (no host "
+        "work per launch: the step stops being host-bound). Batches get static shapes (T segment rows, seq_len "
+        "as the length bound, T / ratio compressed entries). One GPU per model replica: pp, cp and ep 1, no "
+        "distributed optimizer; data parallelism is fine (gradients are reduced after the replay). bf16, and "
+        "compile.enable=false for now (rule V4-CUDA-GRAPH says why). Warm-up "
+        "stages with the dense KL target and stages on the reference kernels read the host inside the step "
+        "and run without a graph (validate names them)."))
 
 
 class RunConfig(Section):

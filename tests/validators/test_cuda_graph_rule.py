@@ -1,0 +1,78 @@
+"""V4-CUDA-GRAPH: where ``compile.cuda_graph`` can capture the step, what each stage then does, and that the
+job decides exactly as the validator says (``training/graph_step.stage_graph_plan``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from validate_helpers import RECIPES, validate_file
+from v4launch.recipe_loading import load_recipe
+
+GRAPH = ["compile.cuda_graph=true", "compile.enable=false"]
+
+
+def _graph_results(report):
+    return {s.name: r for s in report.stages for r in s.results if r.rule_id == "V4-CUDA-GRAPH"}
+
+
+def test_one_gpu_bf16_recipe_passes_and_each_stage_says_whether_it_replays():
+    report = validate_file(RECIPES / "bench_h200.yaml", GRAPH)
+    assert report.ok, [(v.rule_id, v.message) for v in report.violations]
+    notes = {name: r.note for name, r in _graph_results(report).items()}
+    assert "replays one captured micro-batch step" in notes["dense_4k"]
+    assert "replays one captured micro-batch step" in notes["sparse_4k"]
+    # the warm-up of bench_h200 runs the reference kernels (a dense KL target on SM90): eagerly, and it says why
+    assert "runs without a graph" in notes["warmup_4k"] and "reference attention" in notes["warmup_4k"]
+
+
+@pytest.mark.parametrize("over,field,value", [
+    (["parallel.ep=2", "cluster.gpus_per_node=2", "parallel.global_batch_size=4"], "parallel.ep", 2),
+    (["parallel.distributed_optimizer=true", "cluster.gpus_per_node=2", "parallel.global_batch_size=4"],
+     "parallel.distributed_optimizer", True),
+    (["compile.enable=true"], "compile.enable", True),
+    (["precision.dtype=fp32"], "precision.dtype", "fp32"),
+])
+def test_settings_the_captured_step_cannot_hold_are_refused_naming_the_field_and_the_fix(over, field, value):
+    report = validate_file(RECIPES / "bench_h200.yaml", [*GRAPH[:1], *over] if "compile.enable=true" in over
+                           else [*GRAPH, *over])
+    mine = [v for v in report.violations if v.rule_id == "V4-CUDA-GRAPH"]
+    assert mine, [(v.rule_id, v.message) for v in report.violations]
+    assert all(v.field == field and v.value == value for v in mine), [(v.field, v.value) for v in mine]
+    assert all("compile.cuda_graph=false" in v.fix for v in mine)
+
+
+def test_a_cpu_recipe_with_a_graph_is_refused():
+    report = validate_file(RECIPES / "tiny_cpu.yaml", ["compile.cuda_graph=true"])
+    mine = [v for v in report.violations if v.rule_id == "V4-CUDA-GRAPH"]
+    assert mine and mine[0].field == "cluster.gpu" and "need a GPU" in mine[0].message
+
+
+def test_memory_fixes_that_split_the_step_turn_the_graph_off():
+    """A proposed fix must validate: where it adds ep / pp / cp / the distributed optimizer to a recipe that
+    captures its step, it also sets compile.cuda_graph=false."""
+    report = validate_file(RECIPES / "bench_h200.yaml", [*GRAPH, "cluster.gpu_memory_gib=20"])
+    fixes = [v.fix for v in report.violations if v.rule_id == "V4-MEMORY"]
+    assert fixes and all("compile.cuda_graph=false" in f for f in fixes), fixes
+
+
+def test_the_job_decides_as_the_validator(monkeypatch):
+    """stage_graph_plan (what the job does) against the rule's per-stage notes, on what the device runs."""
+    torch = pytest.importorskip("torch")
+    from v4launch.training.graph_step import stage_graph_plan
+
+    recipe = load_recipe(RECIPES / "bench_h200.yaml", GRAPH).recipe
+    gpu = torch.device("cuda", 0)
+    notes = {name: r.note for name, r in _graph_results(validate_file(RECIPES / "bench_h200.yaml", GRAPH)).items()}
+    for stage in recipe.curriculum.stages:
+        backend = stage.kernel_backend or recipe.attention.kernel_backend
+        plan = SimpleNamespace(name=stage.name, phase=stage.phase)
+        use, text = stage_graph_plan(recipe, plan, backend, gpu)
+        assert use == ("replays" in notes[stage.name]), (stage.name, text, notes[stage.name])
+        assert stage.name in text
+    # the device runs the reference kernels although triton was asked for (no SM90 GPU): no graph
+    use, text = stage_graph_plan(recipe, SimpleNamespace(name="s", phase="sparse"), "reference", gpu)
+    assert not use and "reference attention" in text
+    use, text = stage_graph_plan(recipe, SimpleNamespace(name="s", phase="sparse"), "triton", torch.device("cpu"))
+    assert not use and "cpu" in text
