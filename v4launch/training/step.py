@@ -249,13 +249,29 @@ def _reduce_and_clip(params: list[torch.Tensor], info: DistInfo, layout: Layout 
                           pp_group=layout.pipe_group if layout is not None else None)
 
 
+def without_compiling() -> contextlib.AbstractContextManager:
+    """Compiled blocks run their eager code inside (``torch.compiler.set_stance("force_eager")``; nothing on a
+    torch without stances). For the held-out evaluation: a few no-grad forwards per stage, whose no-grad graphs
+    took 84 s to compile at a stage end of recipes/bench_h200.yaml on an H200 (benchmarks/results/train_step_h200.md)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
              autocast: Callable[[], contextlib.AbstractContextManager], pipeline: Any = None,
              layout: Layout | None = None) -> dict[str, float]:
     """Mean held-out LM loss (nats/token) over ``batches`` (averaged over ranks; under CP every rank of a
     CP group holds the same global value, so the world mean is the mean over DP replicas). Under PP the
-    last stage computes it (forward-only schedule) and the pipeline group shares it."""
+    last stage computes it (forward-only schedule) and the pipeline group shares it. Compiled blocks run
+    eagerly here (:func:`without_compiling`)."""
+    with without_compiling():
+        return _evaluate(model, batches, info, autocast, pipeline, layout)
+
+
+def _evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
+              autocast: Callable[[], contextlib.AbstractContextManager], pipeline: Any,
+              layout: Layout | None) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     total: torch.Tensor | None = None  # on the device: one host read after the loop
