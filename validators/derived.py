@@ -163,3 +163,22 @@ def pp_stage_costs(layout: str, model, seq_len: int, phase: str = "sparse", inde
     from .layout import parse_layout
 
     return stage_costs(parse_layout(layout), unit_costs(model, seq_len, phase, indexer_loss))
+
+
+GRAPH_FREE_REASONS = {
+    "dense_kl": "its dense indexer KL reads query-chunk entry ranges on the host (kernels/layer.py warmup_chunks)",
+    "reference": "the reference attention reads per-chunk entry ranges on the host",
+    "cudnn": "the cudnn kernels are not checked free of host synchronisation (only triton's are)",
+}
+"""Why a stage runs its step without a CUDA graph under ``compile.cuda_graph``; the job logs the same words."""
+
+
+def graph_free_reason(phase: str, indexer_loss: str | None, backend: str) -> str | None:
+    """Why a stage of ``phase`` / effective indexer-loss target / kernel backend runs eagerly under
+    ``compile.cuda_graph`` (None: its micro-batch step is captured and replayed). Shared by rule V4-CUDA-GRAPH,
+    the memory plan and the job (``training/graph_step.py``)."""
+    if backend != "triton":
+        return GRAPH_FREE_REASONS[backend]
+    if phase != "dense" and indexer_loss == "dense":
+        return GRAPH_FREE_REASONS["dense_kl"]
+    return None

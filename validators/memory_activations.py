@@ -136,7 +136,8 @@ def mtp_embeddings_bytes_per_token(m: ModelConfig) -> float:
 @dataclass(frozen=True)
 class StageSetting:
     """The stage-effective settings the per-layer figures read (built by ``memory_plan``): rows per rank, seq_len,
-    cp, the S = dp·cp ranks, micro-batches per step, activation bytes, kernel path, top-k, phase, recompute, chunk."""
+    cp, the S = dp·cp ranks, micro-batches per step, activation bytes, kernel path, top-k, phase, recompute, chunk,
+    and whether the step is replayed from a CUDA graph (its gradients then stay allocated)."""
 
     rows: int
     seq_len: int
@@ -149,6 +150,7 @@ class StageSetting:
     phase: str
     recompute: frozenset
     chunk: int
+    captured: bool = False
 
 
 def attention_workspace(m, ratio: int, s: StageSetting) -> float:

@@ -179,13 +179,15 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
         raise PlanUnavailable(f"parallel.ep={p.ep} does not fold over dp·cp = {dp * cp} or split the experts "
                               "evenly (V4-EP-FOLD, V4-EP-EXPERTS): the experts per GPU are undefined")
     backend = st.kernel_backend or recipe.attention.kernel_backend
+    captured = recipe.compile.cuda_graph and derived.graph_free_reason(st.phase, st.effective_indexer_loss,
+                                                                       backend) is None
     return StageSetting(
         rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
         accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),
         act=2 if recipe.precision.dtype == "bf16" else 4, kernels=backend == "triton" and recipe.cluster.sm == 90,
         topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
         recompute=frozenset(_regions(recipe)),
-        chunk=recipe.attention.kl_chunk_size)
+        chunk=recipe.attention.kl_chunk_size, captured=captured)
 
 
 def _regions(recipe: Recipe) -> list[str]:
@@ -291,7 +293,9 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
     sharded = f" / {shard} (FSDP)" if shard > 1 else ""
     saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss"))
     grads_at_peak, grads_note = 4 * (n_dense + routed), "as the parameters, kept across micro-batches"
-    if p.pp == 1 and s.accum == 1:  # zeroed (None) every step: allocated while backward frees activations
+    if s.captured:
+        grads_note = "compile.cuda_graph: the graph's gradient tensors stay allocated, zeroed in place"
+    elif p.pp == 1 and s.accum == 1:  # zeroed (None) every step: allocated while backward frees activations
         grads_at_peak = max(0, grads_at_peak - saved)
         grads_note = "one micro-batch per step: allocated as backward frees activations (beyond them)"
     terms = [

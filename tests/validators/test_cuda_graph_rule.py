@@ -76,3 +76,29 @@ def test_the_job_decides_as_the_validator(monkeypatch):
     assert not use and "reference attention" in text
     use, text = stage_graph_plan(recipe, SimpleNamespace(name="s", phase="sparse"), "triton", torch.device("cpu"))
     assert not use and "cpu" in text
+
+
+def test_the_memory_plan_keeps_a_captured_stages_gradients():
+    """Without a graph, one micro-batch per step: the gradients appear as backward frees activations (the plan
+    counts what exceeds them). A captured stage's gradient tensors live through the forward: counted whole."""
+    from v4launch.validators.memory_plan import memory_plan
+
+    eager = load_recipe(RECIPES / "bench_h200.yaml", ["compile.enable=false"]).recipe
+    graph = load_recipe(RECIPES / "bench_h200.yaml", GRAPH).recipe
+    for index, stage in enumerate(graph.curriculum.stages):
+        e, g = memory_plan(eager, index), memory_plan(graph, index)
+        if stage.kernel_backend == "reference":  # the warm-up runs eagerly: the same plan
+            assert g.term("gradients").bytes == e.term("gradients").bytes
+            continue
+        grads, params = g.term("gradients").bytes, g.term("parameters").bytes  # parameters: + a few buffers
+        assert 0.95 * params <= grads <= params and grads > e.term("gradients").bytes
+        assert g.total_bytes > e.total_bytes
+
+
+
+def test_a_graph_that_captures_no_stage_warns():
+    report = validate_file(RECIPES / "bench_h200.yaml", [*GRAPH, "attention.kernel_backend=reference"])
+    unused = [w for w in report.warnings if w.rule_id == "V4-CUDA-GRAPH-UNUSED"]
+    assert unused and "no stage is captured" in unused[0].message and "kernel_backend=triton" in unused[0].fix
+    assert not [w for w in validate_file(RECIPES / "bench_h200.yaml", GRAPH).warnings
+                if w.rule_id == "V4-CUDA-GRAPH-UNUSED"]

@@ -19,8 +19,8 @@ graph captured, so the step zeroes them in place (``Optimizers.zero_grad(set_to_
 weights are device scalars filled before each replay (the MTP weight drops when the LR decays).
 
 Stages that read the host inside the step (the warm-up's dense KL target; the reference and cudnn
-kernels) run eagerly: ``validators/rules/cuda_graph.py`` ``graph_free_reason`` decides, and both the
-validator and the job state it.
+kernels) run eagerly: ``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule
+V4-CUDA-GRAPH), the memory plan and the job all use it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..errors import V4LaunchError
-from ..validators.rules.cuda_graph import graph_free_reason
+from ..validators.derived import graph_free_reason
 from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
 
 
@@ -148,8 +148,10 @@ def _first_failure(exc: BaseException) -> str:
     while exc.__context__ is not None and isinstance(exc.__context__, Exception):
         exc = exc.__context__
     where = [f for f in traceback.extract_tb(exc.__traceback__) if "v4launch" in f.filename]
-    place = f" (at {where[-1].filename.rsplit('/', 2)[-2]}/{where[-1].filename.rsplit('/', 1)[-1]}:{where[-1].lineno} " \
-            f"{where[-1].name})" if where else ""
+    place = ""
+    if where:
+        path = Path(where[-1].filename)
+        place = f" (at {path.parent.name}/{path.name}:{where[-1].lineno} {where[-1].name})"
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}{place}"
 
 

@@ -2,33 +2,17 @@
 
 from __future__ import annotations
 
+from ..derived import graph_free_reason
 from .base import Context, rule
-
-GRAPH_FREE_REASONS = {
-    "dense_kl": "its dense indexer KL reads query-chunk entry ranges on the host (kernels/layer.py warmup_chunks)",
-    "reference": "the reference attention reads per-chunk entry ranges on the host",
-    "cudnn": "the cudnn kernels are not checked free of host synchronisation (only triton's are)",
-}
-"""Why a stage runs its step without a CUDA graph; the job logs the same words (training/graph_step.py)."""
-
-
-def graph_free_reason(phase: str, indexer_loss: str | None, backend: str) -> str | None:
-    """Why a stage of ``phase`` / effective indexer loss / kernel backend runs eagerly under
-    ``compile.cuda_graph`` (None: its step is captured). Shared by this rule and the job."""
-    if backend != "triton":
-        return GRAPH_FREE_REASONS[backend]
-    if phase != "dense" and indexer_loss == "dense":
-        return GRAPH_FREE_REASONS["dense_kl"]
-    return None
-
 
 @rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "compile.enable", "precision.dtype", "cluster.gpu", "parallel.pp",
                                "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp"),
       fix="set compile.cuda_graph=false, or run the stage with pp, cp and ep 1 and without the distributed optimizer")
 def check_cuda_graph(ctx: Context):
-    """compile.cuda_graph captures one GPU's whole forward and backward: a GPU, bf16, no compiled blocks (yet), no
-    pp, cp or ep collectives and no FSDP hooks inside the step; warm-up stages with the dense KL target and
-    reference-kernel stages run eagerly (stated per stage).
+    """compile.cuda_graph needs one GPU per replica, bf16 and, for now, no compiled blocks; stages say if they replay.
+
+    A captured step holds one GPU's whole forward and backward: no pp, cp or ep collectives and no FSDP hooks
+    inside it. Warm-up stages with the dense KL target and stages on the reference or cudnn kernels run eagerly.
 
     Source: torch.cuda.graphs (a captured region must not synchronise with the host, and its collectives
     would be replayed on fixed buffers); training/graph_step.py (what the job captures).
@@ -50,17 +34,38 @@ def check_cuda_graph(ctx: Context):
                            "capturing' in the first, dense stage of recipes/bench_h200.yaml, 2026-12-02); the "
                            "uncompiled step's capture passes tests/training/test_cuda_graph_step.py",
                            "set compile.enable=false (the graph without compiled blocks) or compile.cuda_graph=false")
-    blocking = [(f, v) for f, v in (("parallel.pp", par.pp), (ctx.cp_field, ctx.cp), ("parallel.ep", par.ep))
+    blocking = [(f, v, 1) for f, v in (("parallel.pp", par.pp), (ctx.cp_field, ctx.cp), ("parallel.ep", par.ep))
                 if v > 1]
     if par.distributed_optimizer:
-        blocking.append(("parallel.distributed_optimizer", True))
+        blocking.append(("parallel.distributed_optimizer", True, "false"))
     if blocking:
-        f, v = blocking[0]
-        what = ", ".join(f"{name}={value}" for name, value in blocking)
+        f, v, _ = blocking[0]
+        what = ", ".join(f"{name}={value}" for name, value, _ in blocking)
+        undo = " ".join(f"{name}={one}" for name, _, one in blocking)
         return ctx.finding(f, v, f"compile.cuda_graph=true with {what} in stage '{ctx.stage.name}': the captured "
                            "step holds one GPU's forward and backward; pipeline sends, context-parallel gathers, "
-                           "expert all-to-alls and FSDP's gathers would run inside it")
+                           "expert all-to-alls and FSDP's gathers would run inside it",
+                           f"set compile.cuda_graph=false, or {undo} (one GPU per model replica)")
     reason = graph_free_reason(ctx.stage.phase, ctx.stage.effective_indexer_loss, ctx.backend)
     if reason:
         return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' runs without a graph: {reason}")
     return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' replays one captured micro-batch step")
+
+
+@rule("V4-CUDA-GRAPH-UNUSED", fields=("compile.cuda_graph", "attention.kernel_backend", "curriculum.stages.*.phase"),
+      scope="recipe", severity="warning", fix="set attention.kernel_backend=triton, or compile.cuda_graph=false")
+def check_cuda_graph_used(ctx: Context):
+    """compile.cuda_graph=true captures nothing when every stage runs without a graph.
+
+    Source: validators/derived.py graph_free_reason (the per-stage decision of V4-CUDA-GRAPH and of the job).
+    """
+    r = ctx.recipe
+    if not r.compile.cuda_graph:
+        return ctx.na("compile.cuda_graph=false")
+    eager = [st.name for st in r.curriculum.stages if graph_free_reason(
+        st.phase, st.effective_indexer_loss, st.kernel_backend or r.attention.kernel_backend)]
+    if len(eager) == len(r.curriculum.stages):
+        return ctx.finding("compile.cuda_graph", True, "compile.cuda_graph=true, but no stage is captured: every "
+                           f"stage ({', '.join(eager)}) runs without a graph (`v4launch explain V4-CUDA-GRAPH`)")
+    return ctx.ok("compile.cuda_graph", True, f"{len(r.curriculum.stages) - len(eager)} of "
+                  f"{len(r.curriculum.stages)} stages replay a captured step")

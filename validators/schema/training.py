@@ -100,8 +100,8 @@ class CompileConfig(Section):
         "as the length bound, T / ratio compressed entries). One GPU per model replica: pp, cp and ep 1, no "
         "distributed optimizer; data parallelism is fine (gradients are reduced after the replay). bf16, and "
         "compile.enable=false for now (rule V4-CUDA-GRAPH says why). Warm-up "
-        "stages with the dense KL target and stages on the reference kernels read the host inside the step "
-        "and run without a graph (validate names them)."))
+        "stages with the dense KL target and stages on the reference or cudnn kernels run without a graph "
+        "(validate names them)."))
 
 
 class RunConfig(Section):
