@@ -200,7 +200,7 @@ def test_layout_with_a_huge_repeat_count_is_bounded(tmp_path: Path, layout: str)
     ("model.moe.n_activated_experts=9", "n_activated_experts = 9 is more than the 8 routed experts", "<= 8"),
     ("curriculum.stages.1.lr=1e-9", "curriculum.stages.1.lr = 1e-09 is below optimizer.min_lr", ">="),
     ("run.seed=-1", "run.seed = -1", "at least 0"),
-    ("compile=3", "compile = 3: compile is a section of keys (enable, backend), not a single value",
+    ("compile=3", "compile = 3: compile is a section of keys (enable, backend, cuda_graph), not a single value",
      "set its keys, e.g. compile.enable=..."),
     ("parallel=[1]", "parallel is a section of keys (tp, pp,", "e.g. parallel.tp=..."),
     ("model.compress_ratios=foo", "model.compress_ratios = 'foo': must be a list (YAML: [a, b, ...]",

@@ -37,6 +37,10 @@ BASE: dict[str, Any] = {
     ]},
 }
 
+ONE_GPU_GRAPH = ["compile.cuda_graph=true", "parallel.pp=1", "parallel.pp_layout=null", "parallel.ep=1",
+                 "parallel.distributed_optimizer=false", "curriculum.stages.3.cp=1"]
+"""The base with one GPU per model replica and its step captured (what V4-CUDA-GRAPH admits)."""
+
 # rule id → (failing overrides, passing-twin overrides). The twin is a recipe where the rule
 # applies (not n/a) and passes; [] means the base itself.
 CASES: dict[str, tuple[list[str], list[str]]] = {
@@ -95,6 +99,9 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-UNIMPL-INDEXER-QAT": (["attention.indexer_qat=true"], []),
     "V4-UNIMPL-EVAL-INTERVAL": (["logging.eval_interval_steps=100"], []),
     "V4-UNIMPL-BSHD": (["parallel.qkv_format=bshd", "curriculum.stages.3.cp=1"], []),
+    # the base spreads a replica over pp 2, ep 2 and the distributed optimizer; the twin is one GPU per replica
+    "V4-CUDA-GRAPH": (["compile.cuda_graph=true"], ONE_GPU_GRAPH),
+    "V4-CUDA-GRAPH-UNUSED": ([*ONE_GPU_GRAPH, "attention.kernel_backend=reference"], ONE_GPU_GRAPH),
     # a 64K stage at cp 2 on a 6 GiB budget: the plan's fix (cp 4) fits
     "V4-MEMORY": (["cluster.gpu_memory_gib=6", "curriculum.stages.3.seq_len=65536"], []),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..derived import graph_free_reason
 from .base import Context, rule
 
+
 @rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "compile.enable", "precision.dtype", "cluster.gpu", "parallel.pp",
                                "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp"),
       fix="set compile.cuda_graph=false, or run the stage with pp, cp and ep 1 and without the distributed optimizer")
@@ -19,7 +20,18 @@ def check_cuda_graph(ctx: Context):
     """
     if not ctx.recipe.compile.cuda_graph:
         return ctx.na("compile.cuda_graph=false")
-    par, r = ctx.parallel, ctx.recipe
+    refused = _unsupported_setting(ctx) or _split_step(ctx)
+    if refused:
+        return refused
+    reason = graph_free_reason(ctx.stage.phase, ctx.stage.effective_indexer_loss, ctx.backend)
+    if reason:
+        return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' runs without a graph: {reason}")
+    return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' replays one captured micro-batch step")
+
+
+def _unsupported_setting(ctx: Context):
+    """The finding for a CPU run, float32 compute or compiled blocks, else None."""
+    r = ctx.recipe
     if r.cluster.gpu == "cpu":
         return ctx.finding("cluster.gpu", "cpu", "compile.cuda_graph=true on cluster.gpu=cpu: CUDA graphs need a GPU",
                            "set compile.cuda_graph=false for a CPU run")
@@ -34,22 +46,24 @@ def check_cuda_graph(ctx: Context):
                            "capturing' in the first, dense stage of recipes/bench_h200.yaml, 2026-12-02); the "
                            "uncompiled step's capture passes tests/training/test_cuda_graph_step.py",
                            "set compile.enable=false (the graph without compiled blocks) or compile.cuda_graph=false")
+    return None
+
+
+def _split_step(ctx: Context):
+    """The finding when the stage spreads one replica over GPUs (pp, cp, ep, the distributed optimizer), else None."""
+    par = ctx.parallel
     blocking = [(f, v, 1) for f, v in (("parallel.pp", par.pp), (ctx.cp_field, ctx.cp), ("parallel.ep", par.ep))
                 if v > 1]
     if par.distributed_optimizer:
         blocking.append(("parallel.distributed_optimizer", True, "false"))
-    if blocking:
-        f, v, _ = blocking[0]
-        what = ", ".join(f"{name}={value}" for name, value, _ in blocking)
-        undo = " ".join(f"{name}={one}" for name, _, one in blocking)
-        return ctx.finding(f, v, f"compile.cuda_graph=true with {what} in stage '{ctx.stage.name}': the captured "
-                           "step holds one GPU's forward and backward; pipeline sends, context-parallel gathers, "
-                           "expert all-to-alls and FSDP's gathers would run inside it",
-                           f"set compile.cuda_graph=false, or {undo} (one GPU per model replica)")
-    reason = graph_free_reason(ctx.stage.phase, ctx.stage.effective_indexer_loss, ctx.backend)
-    if reason:
-        return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' runs without a graph: {reason}")
-    return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' replays one captured micro-batch step")
+    if not blocking:
+        return None
+    what = ", ".join(f"{name}={value}" for name, value, _ in blocking)
+    undo = " ".join(f"{name}={one}" for name, _, one in blocking)
+    return ctx.finding(blocking[0][0], blocking[0][1], f"compile.cuda_graph=true with {what} in stage "
+                       f"'{ctx.stage.name}': the captured step holds one GPU's forward and backward; pipeline sends, "
+                       "context-parallel gathers, expert all-to-alls and FSDP's gathers would run inside it",
+                       f"set compile.cuda_graph=false, or {undo} (one GPU per model replica)")
 
 
 @rule("V4-CUDA-GRAPH-UNUSED", fields=("compile.cuda_graph", "attention.kernel_backend", "curriculum.stages.*.phase"),
