@@ -193,33 +193,24 @@ def compress_plan(pack: Pack, ratio: int, entries: int | None = None) -> Compres
     ``entries``: a static entry count C (>= the real one; ``T // ratio`` always holds a batch of T tokens)
     for a batch of :func:`pad_pack`. Entries past the real ones start at token 0 with position 0 and no
     previous window: the compressor computes them, and no query sees them (``n_visible`` and ``seg_offset``
-    reach only real entries). No host synchronisation either way.
+    reach only real entries). No host synchronisation either way (without ``entries`` the count is a sum over
+    ``cu_host``; read from the device only for a pack without host boundaries).
     """
-    if entries is not None:
-        return _static_compress_plan(pack, ratio, entries)
     counts = pack.lengths // ratio  # [N]
-    if pack.cu_host is not None:  # host boundaries: no device synchronisation for the entry count
+    if entries is not None:
+        C = entries
+    elif pack.cu_host is not None:  # host boundaries: no device synchronisation for the entry count
         C = sum((b - a) // ratio for a, b in zip(pack.cu_host, pack.cu_host[1:]))
     else:
         C = int(counts.sum())
-    seg_offset = torch.cumsum(counts, 0) - counts
-    entry_seg = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=C)
-    i = torch.arange(C, device=counts.device) - seg_offset[entry_seg]  # index inside the segment
-    return CompressPlan(ratio=ratio, n_entries=C, start=pack.cu[entry_seg] + i * ratio, pos=i * ratio,
-                        has_prev=i > 0, seg_offset=seg_offset, n_visible=(pack.pos + 1) // ratio,
-                        max_entries=pack.max_seqlen // ratio)
-
-
-def _static_compress_plan(pack: Pack, ratio: int, entries: int) -> CompressPlan:
-    counts = pack.lengths // ratio  # [N]
     ends = torch.cumsum(counts, 0)
     seg_offset = ends - counts
-    e = torch.arange(entries, device=counts.device)
-    entry_seg = torch.searchsorted(ends, e, right=True).clamp_max(counts.numel() - 1)
-    i = e - seg_offset[entry_seg]
-    real = e < ends[-1]
+    e = torch.arange(C, device=counts.device)
+    entry_seg = torch.searchsorted(ends, e, right=True).clamp_max(counts.numel() - 1)  # segments in entry order
+    i = e - seg_offset[entry_seg]  # index inside the segment
+    real = e < ends[-1]  # all of them without ``entries``
     zero = torch.zeros_like(e)
-    return CompressPlan(ratio=ratio, n_entries=entries, start=torch.where(real, pack.cu[entry_seg] + i * ratio, zero),
+    return CompressPlan(ratio=ratio, n_entries=C, start=torch.where(real, pack.cu[entry_seg] + i * ratio, zero),
                         pos=torch.where(real, i * ratio, zero), has_prev=real & (i > 0), seg_offset=seg_offset,
                         n_visible=(pack.pos + 1) // ratio, max_entries=pack.max_seqlen // ratio)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 from ..errors import V4LaunchError
 from ..validators.derived import graph_free_reason
 from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
+from .step import compose_loss
 
 
 class CaptureError(V4LaunchError):
@@ -101,9 +103,7 @@ class CapturedStep:
         if self.weights is None:  # the aux-loss names are known after the first forward
             self.weights = {n: torch.zeros((), dtype=v.dtype, device=v.device) for n, v in out.aux_losses.items()}
             self._fill_weights(loss_weight)
-        total = out.lm_loss
-        for name in sorted(out.aux_losses):
-            total = total + self.weights[name] * out.aux_losses[name]
+        total = compose_loss(out.lm_loss, out.aux_losses, SimpleNamespace(of=self.weights.__getitem__))
         (total / self.accum).backward()
         return {"lm_loss": out.lm_loss.detach(), **{n: v.detach() for n, v in out.aux_losses.items()}}
 
@@ -163,8 +163,7 @@ def stage_graph_plan(recipe: Any, plan: Any, running_backend: str, device: torch
         return False, ""
     if device.type != "cuda":
         return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: the device is {device.type}"
-    kl = None if plan.phase == "dense" else DEFAULT_INDEXER_LOSS[plan.phase]
-    reason = graph_free_reason(plan.phase, kl, running_backend)
+    reason = graph_free_reason(plan.phase, DEFAULT_INDEXER_LOSS[plan.phase], running_backend)
     if reason:
         return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: {reason}"
     return True, f"compile.cuda_graph: stage {plan.name} captures one micro-batch step and replays it"

@@ -73,8 +73,12 @@ def loss_weights(recipe: Any, decay_started: bool) -> LossWeights:
                        mtp=mtp.loss_weight_after_decay if decay_started else mtp.loss_weight)
 
 
-def compose_loss(lm_loss: torch.Tensor, aux: dict[str, torch.Tensor], weights: LossWeights) -> torch.Tensor:
-    """``lm_loss + Σ weight(name) · aux[name]`` (0-d; names summed in sorted order for determinism)."""
+def compose_loss(lm_loss: torch.Tensor, aux: dict[str, torch.Tensor], weights: Any) -> torch.Tensor:
+    """``lm_loss + Σ weight(name) · aux[name]`` (0-d; names summed in sorted order for determinism).
+
+    ``weights``: a :class:`LossWeights`, or any object whose ``of(name)`` gives the coefficient: a 0-d device
+    tensor for a step captured in a CUDA graph (``graph_step.CapturedStep``: filled before each replay).
+    """
     total = lm_loss
     for name in sorted(aux):
         total = total + weights.of(name) * aux[name]
