@@ -53,11 +53,13 @@ def _probe_addmm(device: torch.device) -> bool:
 def _works(probe, device: torch.device) -> bool:
     """Whether ``probe`` (``_probe_mm``: ``mm(..., out_dtype=float32)``; ``_probe_addmm``: ``addmm(...,
     out_dtype=float32, out=acc)`` accumulating in place) runs on ``device``'s type; cached. Inside a traced
-    region nothing is probed: CUDA builds of torch >= 2.8 have both."""
+    region nothing is probed or read (CUDA builds of torch >= 2.8 have both): reading the cache there made
+    dynamo guard on it, and a block traced before the first probe was compiled again after it (with
+    ``compile.cuda_graph``, inside the capture, which failed it)."""
+    if torch.compiler.is_compiling():
+        return device.type == "cuda"
     key = (probe.__name__, device.type)
     if key not in _PROBED:
-        if torch.compiler.is_compiling():
-            return device.type == "cuda"
         try:
             _PROBED[key] = probe(device)
         except (RuntimeError, NotImplementedError, TypeError):

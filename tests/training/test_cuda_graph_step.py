@@ -46,9 +46,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("phase,compiled", [("dense", False), ("sparse", False), ("sparse", True)])
 def test_replays_equal_the_eager_step(phase, compiled):
     """float32 parameters under bf16 autocast (the job's precision; the float32 experts read their row counts on
-    the host, rule V4-CUDA-GRAPH refuses them); ``compiled``: the blocks under torch.compile, which rule
-    V4-CUDA-GRAPH refuses after a failed capture in a product run (this case tells whether the compiled blocks
-    or the job around them break the capture)."""
+    the host, rule V4-CUDA-GRAPH refuses them); ``compiled``: the blocks under torch.compile, captured with
+    them (a block compiled again inside the capture fails it: the warm-up must have met every guard)."""
     gen = fresh_gen()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     # 16 heads of 32 and indexer heads of 32: shapes the Triton kernels take (others fall back to the reference);

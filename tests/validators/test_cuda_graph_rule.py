@@ -10,7 +10,7 @@ import pytest
 from validate_helpers import RECIPES, validate_file
 from v4launch.recipe_loading import load_recipe
 
-GRAPH = ["compile.cuda_graph=true", "compile.enable=false"]
+GRAPH = ["compile.cuda_graph=true"]
 
 
 def _graph_results(report):
@@ -31,12 +31,10 @@ def test_one_gpu_bf16_recipe_passes_and_each_stage_says_whether_it_replays():
     (["parallel.ep=2", "cluster.gpus_per_node=2", "parallel.global_batch_size=4"], "parallel.ep", 2),
     (["parallel.distributed_optimizer=true", "cluster.gpus_per_node=2", "parallel.global_batch_size=4"],
      "parallel.distributed_optimizer", True),
-    (["compile.enable=true"], "compile.enable", True),
     (["precision.dtype=fp32"], "precision.dtype", "fp32"),
 ])
 def test_settings_the_captured_step_cannot_hold_are_refused_naming_the_field_and_the_fix(over, field, value):
-    report = validate_file(RECIPES / "bench_h200.yaml", [*GRAPH[:1], *over] if "compile.enable=true" in over
-                           else [*GRAPH, *over])
+    report = validate_file(RECIPES / "bench_h200.yaml", [*GRAPH, *over])
     mine = [v for v in report.violations if v.rule_id == "V4-CUDA-GRAPH"]
     assert mine, [(v.rule_id, v.message) for v in report.violations]
     assert all(v.field == field and v.value == value for v in mine), [(v.field, v.value) for v in mine]
@@ -83,7 +81,7 @@ def test_the_memory_plan_keeps_a_captured_stages_gradients():
     counts what exceeds them). A captured stage's gradient tensors live through the forward: counted whole."""
     from v4launch.validators.memory_plan import memory_plan
 
-    eager = load_recipe(RECIPES / "bench_h200.yaml", ["compile.enable=false"]).recipe
+    eager = load_recipe(RECIPES / "bench_h200.yaml", ["compile.cuda_graph=false"]).recipe
     graph = load_recipe(RECIPES / "bench_h200.yaml", GRAPH).recipe
     for index, stage in enumerate(graph.curriculum.stages):
         e, g = memory_plan(eager, index), memory_plan(graph, index)

@@ -107,6 +107,14 @@ class CapturedStep:
         (total / self.accum).backward()
         return {"lm_loss": out.lm_loss.detach(), **{n: v.detach() for n, v in out.aux_losses.items()}}
 
+    def _warm_up(self, loss_weight: Callable[[str], float]) -> None:
+        """The eager passes before the capture, each starting as the capture will: without RoPE tables (built
+        inside the pass). A compiled block whose guards read the caches or a first-use probe then meets, and
+        compiles for, the capture's state here; compiled inside the capture it would fail it."""
+        for _ in range(self.warmup):
+            self.ctx._rope.clear()
+            self._forward_backward(loss_weight)
+
     def _capture(self, mb: Any, ctx: Any, loss_weight: Callable[[str], float]) -> None:
         self.ctx, self.tokens, self.labels = ctx, mb.tokens.clone(), mb.labels.clone()
         counts = [m.expert_counts for m in self.model.modules() if hasattr(m, "expert_counts")]
@@ -115,8 +123,7 @@ class CapturedStep:
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self._forward_backward(loss_weight)
+                self._warm_up(loss_weight)
             torch.cuda.current_stream().wait_stream(side)
             with torch.no_grad():  # the warm-ups' gradients and expert counts are not this step's
                 for p in self.model.parameters():
@@ -128,7 +135,7 @@ class CapturedStep:
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of the job's other threads (compile workers, the data loader) during the
             # capture do not invalidate it; this thread's own unsafe calls still fail it
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), no_compiling():
                 self.outputs = self._forward_backward(loss_weight)
         except RuntimeError as exc:
             self.graph = None
@@ -139,7 +146,16 @@ class CapturedStep:
                 saved = f"; the whole exception chain is in {self.report}"
             raise CaptureError(f"compile.cuda_graph: capturing the step failed: {_first_failure(exc)}{saved}",
                                hint="set compile.cuda_graph=false (the stage then runs eagerly) and report the "
-                                    "message: the validator admitted this stage for capture") from exc
+                                    "message: the validator admitted this stage for capture (a 'recompile' "
+                                    "failure: rerun with TORCH_LOGS=recompiles, which names the failed guard)") from exc
+
+
+def no_compiling() -> contextlib.AbstractContextManager:
+    """Compiling inside a capture fails it with a CUDA error that names no cause (inductor's passes run kernels
+    and synchronise): under this, a compiled block whose guards the warm-up did not satisfy raises dynamo's
+    error instead, which names the failed guard."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("fail_on_recompile") if stance is not None else contextlib.nullcontext()
 
 
 def _first_failure(exc: BaseException) -> str:

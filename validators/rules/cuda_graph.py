@@ -6,11 +6,11 @@ from ..derived import graph_free_reason
 from .base import Context, rule
 
 
-@rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "compile.enable", "precision.dtype", "cluster.gpu", "parallel.pp",
+@rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "precision.dtype", "cluster.gpu", "parallel.pp",
                                "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp"),
       fix="set compile.cuda_graph=false, or run the stage with pp, cp and ep 1 and without the distributed optimizer")
 def check_cuda_graph(ctx: Context):
-    """compile.cuda_graph needs one GPU per replica, bf16 and, for now, no compiled blocks; stages say if they replay.
+    """compile.cuda_graph needs one GPU per replica and bf16; each stage says whether it replays a captured step.
 
     A captured step holds one GPU's whole forward and backward: no pp, cp or ep collectives and no FSDP hooks
     inside it. Warm-up stages with the dense KL target and stages on the reference or cudnn kernels run eagerly.
@@ -30,7 +30,7 @@ def check_cuda_graph(ctx: Context):
 
 
 def _unsupported_setting(ctx: Context):
-    """The finding for a CPU run, float32 compute or compiled blocks, else None."""
+    """The finding for a CPU run or float32 compute, else None."""
     r = ctx.recipe
     if r.cluster.gpu == "cpu":
         return ctx.finding("cluster.gpu", "cpu", "compile.cuda_graph=true on cluster.gpu=cpu: CUDA graphs need a GPU",
@@ -40,12 +40,6 @@ def _unsupported_setting(ctx: Context):
                            f"{r.precision.dtype}: the routed experts then run one matmul per expert, whose row "
                            "counts are read on the host (model/moe.py run_local_experts); the grouped GEMM is bf16",
                            "set precision.dtype=bf16, or compile.cuda_graph=false")
-    if r.compile.enable:
-        return ctx.finding("compile.enable", True, "compile.cuda_graph=true with compile.enable=true: capturing the "
-                           "compiled blocks failed on an H200 (CUDA 'operation not permitted when stream is "
-                           "capturing' in the first, dense stage of recipes/bench_h200.yaml, 2026-12-02); the "
-                           "uncompiled step's capture passes tests/training/test_cuda_graph_step.py",
-                           "set compile.enable=false (the graph without compiled blocks) or compile.cuda_graph=false")
     return None
 
 
