@@ -149,6 +149,7 @@ COVERAGE: dict[str, Coverage] = {
     "run.seed": Honoured(RUNNER_INIT),
     "run.deterministic": Honoured(RUNNER_INIT),
     "run.threads": Honoured(RUNNER_INIT),
+    "run.gc_interval_steps": Honoured(RUNNER_INIT),
     **{f"slurm.{f}": Honoured(SBATCH)
        for f in ("partition", "account", "qos", "time_min", "cpus_per_task", "mem_gb", "signal_delay_s", "setup")},
     "slurm.container_image": Honoured(EXECUTOR),

@@ -101,7 +101,8 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
                             start_step=runner.first_step)
     runner.metrics = metrics
     try:
-        return _loop(runner, stop, stop_after_stage, max_steps)
+        with runner.gc.during_training():  # run.gc_interval_steps: collections between timed steps only
+            return _loop(runner, stop, stop_after_stage, max_steps)
     finally:
         runner.close_profiler()  # after an error too: an open torch.profiler crashes the process at exit
         metrics.close()

@@ -328,7 +328,8 @@ def _meaning(path: str, new: Any, ctx: dict[str, Any]) -> tuple[str, str, str | 
     if path == "run.seed":
         return "applied", (f"each stage started from here seeds its RNG from run.seed={new}; parameters keep their "
                            "trained values (their initialisation is not redone)"), None
-    if path.startswith(("logging.", "checkpointing.")) or path in ("name", "description", "run.threads"):
+    if path.startswith(("logging.", "checkpointing.")) or path in ("name", "description", "run.threads",
+                                                                   "run.gc_interval_steps"):
         return "safe", f"bookkeeping only: used from step {step} (the training math is unchanged)", None
     if path.startswith("compile."):
         return "applied", (f"from step {step} the job compiles the blocks as the new compile: section says (or runs "

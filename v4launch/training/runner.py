@@ -23,6 +23,7 @@ from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelM
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
+from .gc_schedule import GarbageCollection
 from .graph_step import CapturedStep, stage_graph_plan
 from .manifest_tables import param_group_tables
 from .model_adapter import model_args_from_recipe
@@ -73,6 +74,7 @@ class Runner:
         self.autocast = autocast_for(self.recipe.precision.dtype, info.device)
         self.ckpt_root = run.paths.checkpoints
         self.profiler = StepProfiler(run.paths.root / "profile", info.rank)  # V4LAUNCH_PROFILE_STEPS, off by default
+        self.gc = GarbageCollection(self.recipe.run.gc_interval_steps)  # collections between timed steps only
         self.metrics: Any = None
         self.loader = self.batches = None
         self._saved_loader: dict | None = None
@@ -194,6 +196,7 @@ class Runner:
                            resumed_from=str(self.resumed_from or ""))
         if self.data_note:
             self.metrics.event(p.step, "data", self.data_note)
+        self.metrics.event(p.step, "gc", self.gc.describe(), interval_steps=self.gc.interval_steps)
         if self.init_note:
             self.metrics.event(p.step, "init", self.init_note)
         if self.recipe.precision.fp8_recipe != "none":  # which GEMM runs at which precision, and why
@@ -368,6 +371,7 @@ class Runner:
         interval = self.recipe.logging.interval_steps
         show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+        self.gc.after_step(p.step)
         table = self.profiler.end(p.step)
         if table is not None:
             self.metrics.event(p.step, "profile", f"torch.profiler of steps {self.profiler.steps[0]}-{p.step}: {table}",
@@ -375,6 +379,7 @@ class Runner:
 
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
+        self.gc.full()
         batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
         result = evaluate(self.model, batches, self.info, self.autocast, pipeline=self.pm.pipeline, layout=self.layout)
         self.pm.reshard()
@@ -393,6 +398,7 @@ class Runner:
         p = self.progress
         if self.last_saved is not None and self.last_saved[0] == p.step:
             return self.last_saved[1]
+        self.gc.full()
         groups, summary = param_group_tables(self.model, self.opt, gather=self.info.active and (
             self.dims.pp > 1 or self.dims.ep > 1))
         manifest = Manifest.for_recipe(
