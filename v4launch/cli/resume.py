@@ -9,7 +9,7 @@ import typer
 
 from ..errors import UsageError
 from .common import OUT, JsonOpt, OverridesArg
-from .run import MaxStepsOpt, NoProgressOpt, check_profile_env, refuse_missing_local_toolchain
+from .run import MaxStepsOpt, NoProgressOpt, check_profile_env, refuse_what_this_machine_cannot_run
 from .status import resolve_run
 
 HELP = ("Resume RUN (default: the workspace's newest run) from its latest complete checkpoint (or --checkpoint). The checkpoint's "
@@ -110,7 +110,7 @@ def resume(run: RunArg = None, overrides: OverridesArg = None, phase: PhaseOpt =
     launcher = launcher_for(info.paths.root)
     launcher.ensure_idle(info.paths.root)  # a refused resume writes nothing
     if info.launcher == "local":  # a Slurm job checks on the node that runs it
-        refuse_missing_local_toolchain(loaded.recipe)
+        refuse_what_this_machine_cannot_run(loaded.recipe)
     _accept(info, plan, loaded, changed)
     launched = launcher.launch(info.paths.root, max_steps=max_steps, progress=not no_progress)
     if launched.result is not None:

@@ -34,17 +34,20 @@ MaxStepsOpt = Annotated[int | None, typer.Option(
 NoProgressOpt = Annotated[bool, typer.Option("--no-progress", help="Plain log lines instead of the progress display.")]
 
 
-def refuse_missing_local_toolchain(recipe) -> None:
-    """For a job that runs on this machine: refuse a recipe that compiles (``compile.enable``) when the
-    compiler backend cannot run here (``training.runner.refuse_missing_toolchain``: inductor on a CPU
-    without a C++ compiler), before anything is written. Raises its ``V4LaunchError`` (exit 2)."""
-    if not recipe.compile.enable:
-        return
+def refuse_what_this_machine_cannot_run(recipe) -> None:
+    """For a job that runs on this machine, before anything is written: refuse a recipe sized for GPUs when this
+    machine lacks them (``training.runner.refuse_missing_gpus``: none, or fewer than the local launcher's
+    nodes x gpus_per_node processes), and one that compiles (``compile.enable``) when the compiler backend
+    cannot run here (``training.runner.refuse_missing_toolchain``: inductor on a CPU without a C++ compiler).
+    Raises their ``V4LaunchError`` (exit 2); the job checks again where it runs."""
     import torch
 
-    from ..training.runner import refuse_missing_toolchain
+    from ..training.runner import refuse_missing_gpus, refuse_missing_toolchain
 
-    refuse_missing_toolchain(recipe.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    c = recipe.cluster
+    refuse_missing_gpus(c.gpu, c.nodes * c.gpus_per_node - 1, torch.cuda.device_count())
+    if recipe.compile.enable:
+        refuse_missing_toolchain(recipe.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[Path | None, list[str]]:
@@ -74,7 +77,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
         OUT.note(f"warning: {warning}")
     ws.remember(recipe=str(loaded.path))
     r = loaded.recipe
-    refuse_missing_local_toolchain(r)  # before data and a run directory exist (the job checks again where it runs)
+    refuse_what_this_machine_cannot_run(r)  # before data and a run directory exist (the job checks again where it runs)
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)
     OUT.console.print(f"data: {dataset.num_documents} documents, {dataset.num_tokens:,} tokens "
                       f"({'reused' if dataset.reused else 'prepared'}); unigram entropy "

@@ -12,7 +12,7 @@ stalls the collectives of all.
 So the job turns automatic collection off while it trains, collects the young generations (``gc.collect(1)``:
 the objects of the last steps, a few ms) every ``gc_interval_steps`` steps, and runs a full collection where
 the job is not timing steps: at its start, at each stage end (before the held-out evaluation) and before a
-checkpoint. ``gc_interval_steps: 0`` leaves Python's automatic collection on. The same policy as torchtitan's
+checkpoint. ``gc_interval_steps: 0`` (the default) leaves Python's automatic collection on. The same policy as torchtitan's
 ``training.gc_freq``.
 """
 

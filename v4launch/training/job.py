@@ -13,6 +13,7 @@ indexers and adds their parameters to the optimizers), train its steps, evaluate
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ from .data_io import prepare_for_run
 from .dist import init_distributed, teardown
 from .metrics import MetricsLogger
 from .result import TrainResult, TrainStatus
-from .runner import Runner
+from .runner import Runner, refuse_missing_gpus
 
 __all__ = ["train", "TrainResult", "TrainStatus"]
 
@@ -74,6 +75,10 @@ def train(run_dir: Path, *, stop_after_stage: bool = False, max_steps: int | Non
     """
     run_dir = Path(run_dir).resolve()
     run = load_run(run_dir)
+    import torch
+
+    # before the process group binds this rank to its GPU (a missing one would fail there, inside CUDA)
+    refuse_missing_gpus(run.recipe.cluster.gpu, int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
     info = init_distributed()
     stop = stop_event or threading.Event()
     try:

@@ -53,6 +53,34 @@ def refuse_missing_toolchain(backend: str | None, device: torch.device) -> None:
                                                             else "install g++ (or point $CXX at a C++ compiler)"))
 
 
+def refuse_missing_gpus(gpu: str, gpu_index: int, cuda_devices: int) -> None:
+    """Stop before anything is prepared when a recipe sized for GPUs (``cluster.gpu`` not ``cpu``) would run
+    here without one: on a machine without CUDA the job would train the model on the CPU (a bench-sized step
+    takes minutes there, and the memory plan was made for the GPU), and a rank whose GPU index is not on this
+    machine fails inside CUDA with "invalid device ordinal".
+
+    Args:
+        gpu: ``cluster.gpu`` of the recipe.
+        gpu_index: the highest GPU index a process on this machine will use (local rank; the local launcher's
+            last rank is nodes x gpus_per_node - 1).
+        cuda_devices: ``torch.cuda.device_count()`` here.
+    Raises:
+        UsageError: naming cluster.gpu or cluster.gpus_per_node, what this machine has, and the fix.
+    """
+    if gpu == "cpu":
+        return
+    if cuda_devices == 0:
+        raise UsageError(f"cluster.gpu = {gpu}: the recipe is sized for {gpu} GPUs, but this machine has no CUDA "
+                         "GPU (torch.cuda.is_available() is False): the job would train the model on the CPU",
+                         hint="fix: run it where the GPUs are (`v4launch submit` on the cluster), or set "
+                              "cluster.gpu=cpu with a model and batch a CPU can train (recipes/tiny_cpu.yaml)")
+    if gpu_index >= cuda_devices:
+        raise UsageError(f"cluster.gpus_per_node: a process here would use GPU {gpu_index}, but this machine has "
+                         f"{cuda_devices} (one process per GPU)",
+                         hint=f"fix: cluster.nodes=1 cluster.gpus_per_node={cuda_devices} for a run on this "
+                              "machine (validate then checks the batch and layout), or `v4launch submit` it")
+
+
 class Runner:
     """Everything one rank holds while training a run. Built ready to continue where the run is."""
 
