@@ -9,11 +9,12 @@ recipes/bench_h200.yaml showed logging intervals of 29,600-40,800 tokens/s among
 steps (benchmarks/results/product_run_h200_2026-12-02_compiled_graph.log). Across ranks, one rank's pause
 stalls the collectives of all.
 
-So the job turns automatic collection off while it trains, collects the young generations (``gc.collect(1)``:
-the objects of the last steps, a few ms) every ``gc_interval_steps`` steps, and runs a full collection where
-the job is not timing steps: at its start, at each stage end (before the held-out evaluation) and before a
-checkpoint. ``gc_interval_steps: 0`` (the default) leaves Python's automatic collection on. The same policy as torchtitan's
-``training.gc_freq``.
+With ``gc_interval_steps`` > 0 the job turns automatic collection off while it trains, collects the young
+generations (``gc.collect(1)``: the objects of the last steps, a few ms) every ``gc_interval_steps`` steps, and
+runs a full collection where the job is not timing steps: at its start, at each stage end (before the held-out
+evaluation) and before a checkpoint (the same policy as torchtitan's ``training.gc_freq``). ``0``, the default,
+leaves Python's automatic collection on: with it off, the compiled CPU run of tests/training/test_train_compile.py
+failed inside dynamo ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
+
 from ..rundir import consume_resume_request, load_run, read_resume_request
 from .data_io import prepare_for_run
 from .dist import init_distributed, teardown
@@ -75,8 +77,6 @@ def train(run_dir: Path, *, stop_after_stage: bool = False, max_steps: int | Non
     """
     run_dir = Path(run_dir).resolve()
     run = load_run(run_dir)
-    import torch
-
     # before the process group binds this rank to its GPU (a missing one would fail there, inside CUDA)
     refuse_missing_gpus(run.recipe.cluster.gpu, int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count())
     info = init_distributed()
