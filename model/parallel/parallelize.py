@@ -179,6 +179,11 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
     if phase is not None and phase != pm.model.phase:
         pm.set_phase(phase)
     # 2b. Per-module transforms of each part (they share blocks with pm.model): FP8 GEMMs, recompute, compile.
+    if dims.compile_backend is not None:
+        # A fresh compiler state, as in a new process: graphs and module bookkeeping left by an earlier model in
+        # this process (a rebuild at a phase change, a second in-process run) made dynamo's tracer fail on the CPU
+        # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
+        torch._dynamo.reset()
     for part in pm.parts:
         if precision is not None:
             pm.fp8_modules += apply_fp8(part, precision)
