@@ -139,13 +139,39 @@ def linear(x: torch.Tensor, layer: nn.Linear, dtype: torch.dtype | None = None) 
 def to_host(values: dict[str, torch.Tensor]) -> dict[str, float]:
     """0-d tensors (name -> value) -> floats, read back in ONE device -> host transfer (the training
     step's loss sums and gradient norm; reading them one by one would wait on the device per value).
-    Values are stacked as float64 on the first value's device."""
-    if not values:
-        return {}
-    names = list(values)
-    first = values[names[0]]
-    return dict(zip(names, torch.stack([values[k].reshape(()).to(first.device, torch.float64)
-                                        for k in names]).tolist()))
+    Values are stacked as float64 on the first value's device (:class:`QueuedRead`, read at once)."""
+    return QueuedRead(values).values()
+
+
+class QueuedRead:
+    """0-d tensors (name -> value) on their way to the host: stacked as float64 and copied into pinned host memory
+    behind the work already queued on the device, without waiting for it. :meth:`values` waits for that copy
+    only (a CUDA event), so a caller can queue the next step first and read this one while the GPU runs it.
+    On the CPU the values are there at once."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        self.names = list(values)
+        self.event: torch.cuda.Event | None = None
+        self.host: torch.Tensor | None = None
+        if not values:
+            return
+        first = values[self.names[0]]
+        stacked = torch.stack([values[k].reshape(()).to(first.device, torch.float64) for k in self.names])
+        if stacked.is_cuda:
+            self.host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = stacked
+
+    def values(self) -> dict[str, float]:
+        """name -> float; waits for the device work queued before this read was, and for nothing queued after."""
+        if self.host is None:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.names, self.host.tolist()))
 
 
 def on_device_count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -263,7 +263,8 @@ class V4Model(FP32Pinned):
         return "; ".join(f"{dev}: {b.name} ({b.reason})" for dev, b in self._backends.items())
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                labels: Optional[torch.Tensor] = None, return_logits: bool = False) -> ModelOutput:
+                labels: Optional[torch.Tensor] = None, return_logits: bool = False, *,
+                ids_checked: bool = False) -> ModelOutput:
         """Packed forward: :meth:`embed_streams` -> :meth:`run_layers` -> :meth:`head_losses`.
 
         Args:
@@ -272,12 +273,13 @@ class V4Model(FP32Pinned):
             max_seqlen: int >= the longest segment.
             labels: [T] int64 next-token targets, -100 = ignore (None: no losses).
             return_logits: also return the main-model logits [T, vocab].
+            ids_checked: the caller range-checked ``tokens`` and ``labels`` on the host (:meth:`batch_context`).
         Returns: :class:`ModelOutput` (under CP: local logits, global losses).
         Raises: ValueError on malformed tokens / cu_seqlens / max_seqlen / labels, and under
             CP when cu_seqlens[-1] != cp * L or L < the boundary width.
         """
-        return self.forward_in(self.batch_context(tokens, cu_seqlens, max_seqlen, labels), tokens, labels,
-                               return_logits)
+        ctx = self.batch_context(tokens, cu_seqlens, max_seqlen, labels, ids_checked=ids_checked)
+        return self.forward_in(ctx, tokens, labels, return_logits)
 
     def forward_in(self, ctx: BatchContext, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                    return_logits: bool = False) -> ModelOutput:
@@ -296,7 +298,8 @@ class V4Model(FP32Pinned):
         return HeadLogits(hidden, self.head.weight, self._kernels(hidden.device))
 
     def batch_context(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                      labels: Optional[torch.Tensor] = None, *, static_seqlen: Optional[int] = None) -> BatchContext:
+                      labels: Optional[torch.Tensor] = None, *, static_seqlen: Optional[int] = None,
+                      ids_checked: bool = False) -> BatchContext:
         """Check a packed batch (arguments as in :meth:`forward`) and build the tables every layer reads.
 
         ``static_seqlen``: tables whose shapes depend only on T and this bound on any segment's length
@@ -304,6 +307,10 @@ class V4Model(FP32Pinned):
         entries per ratio), so that a step captured in a CUDA graph on one batch replays on any other batch
         of T tokens after :meth:`BatchContext.load`. The losses and gradients are those of the exact tables
         (tests/model/test_static_batch.py). One device only.
+        ``ids_checked``: the caller range-checked tokens and labels on the host already (``packing.check_ids``
+        on the CPU tensors before their copy; the training job's batches). The check here is skipped: on a GPU
+        it reads the device back, which waits for every kernel queued before it, so the host could not build
+        the next step's tables while the GPU still runs the previous step.
 
         Raises: ValueError as :meth:`forward`; a segment longer than ``static_seqlen``; ``static_seqlen``
             under context parallelism.
@@ -313,7 +320,8 @@ class V4Model(FP32Pinned):
                              f"not context parallelism (cp={self.cp.size}). Fix: leave static_seqlen unset")
         shard = self.cp.shard(tokens, cu_seqlens, max_seqlen if static_seqlen is None else static_seqlen,
                               self.args.window_size, self.args.compress_ratios)
-        check_ids(tokens, labels, self.args.vocab_size)
+        if not ids_checked:
+            check_ids(tokens, labels, self.args.vocab_size)
         if static_seqlen is not None:
             pack = pad_pack(shard.pack, tokens.numel(), static_seqlen)
             shard = Shard(pack=pack, ext=pack)

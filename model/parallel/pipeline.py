@@ -153,7 +153,8 @@ class StagePart(V4Model):
     def forward(self, *acts: torch.Tensor, mb: torch.Tensor):  # type: ignore[override]
         batch = self.table.batches[int(mb.reshape(-1)[0])]
         tokens, labels = batch.tokens, batch.labels
-        ctx = self.batch_context(tokens, batch.cu_seqlens, batch.max_seqlen, labels)
+        ctx = self.batch_context(tokens, batch.cu_seqlens, batch.max_seqlen, labels,
+                                 ids_checked=getattr(batch, "ids_checked", False))
         aux: dict[str, torch.Tensor] = {}
         if self.spec.has_embed:
             h, e = self.embed_streams(tokens, ctx, with_mtp=True)

@@ -1,6 +1,8 @@
 """The training step reads device values back once, after the optimizer step and the router-bias update
 are queued: a read earlier in the step (the loss sums after the backward, the gradient norm before the
-update) makes the host wait for the GPU to finish the backward before it can queue the optimizer."""
+update) makes the host wait for the GPU to finish the backward before it can queue the optimizer. The
+read is only queued there (``step.PendingStats``): the job reads a step's statistics after it has queued
+the next step (tests/training/test_train_data_and_metrics.py checks the job's order)."""
 
 from __future__ import annotations
 
@@ -48,22 +50,26 @@ class _Optimizer:
 
 
 @pytest.mark.parametrize("accum", [1, 3])
-def test_the_step_reads_device_values_once_after_the_update(monkeypatch, accum):
+def test_the_step_queues_its_one_read_after_the_update_and_reads_only_when_asked(monkeypatch, accum):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,))))
     torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=gen)))
     model = V4Model(ARGS, "sparse").double()
     events: list[str] = []
     reads: list[dict] = []
-    real_to_host = step_mod.to_host
 
-    def to_host(values):
-        events.append("read")
-        got = real_to_host(values)
-        reads.append(dict(got))  # the step pops the norm from the dict it gets
-        return got
+    class RecordedRead(step_mod.QueuedRead):
+        def __init__(self, values):
+            events.append("queue")
+            super().__init__(values)
+
+        def values(self):
+            events.append("read")
+            got = super().values()
+            reads.append(dict(got))  # the step pops the norm from the dict it gets
+            return got
 
     real_bias = model.update_router_bias
-    monkeypatch.setattr(step_mod, "to_host", to_host)
+    monkeypatch.setattr(step_mod, "QueuedRead", RecordedRead)
     monkeypatch.setattr(model, "update_router_bias", lambda speed: (events.append("router bias"), real_bias(speed)))
     batches = [_Batch(gen, [20, 13, 31]) for _ in range(accum)]
     # the losses the step must report: the micro-batches' mean, computed here on the same weights
@@ -71,9 +77,13 @@ def test_the_step_reads_device_values_once_after_the_update(monkeypatch, accum):
         outs = [model(b.tokens, b.cu_seqlens, b.max_seqlen, b.labels) for b in batches]
     want_lm = sum(float(o.lm_loss) for o in outs) / accum
     info = DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
-    stats = train_step(model, _Optimizer(model, events), batches, accum=accum, weights=LossWeights(indexer_kl=1.0, balance=1e-4, mtp=0.3),
-                       grad_clip=1.0, bias_speed=1e-3, info=info, autocast=contextlib.nullcontext)
-    assert events == ["optimizer step", "router bias", "read"], events
+    pending = step_mod.queue_step(model, _Optimizer(model, events), batches, accum=accum,
+                                  weights=LossWeights(indexer_kl=1.0, balance=1e-4, mtp=0.3), grad_clip=1.0,
+                                  bias_speed=1e-3, info=info, autocast=contextlib.nullcontext)
+    assert events == ["optimizer step", "router bias", "queue"], events  # queued last, nothing read yet
+    stats = pending.result()
+    assert events[-1] == "read" and events.count("read") == 1
     assert abs(stats.lm_loss - want_lm) <= 1e-12 * abs(want_lm)
     assert stats.grad_norm > 0 and stats.grad_norm == reads[0][step_mod._GRAD_NORM]
     assert set(stats.aux) == set(outs[0].aux_losses)
+    assert stats.tokens == accum * 64

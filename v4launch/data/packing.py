@@ -60,6 +60,9 @@ class PackedBatch:
         num_docs: real (non-padding) segments: documents or pieces of split documents.
         num_real_tokens: tokens in real segments (T minus padding).
         segments: provenance of each real segment, (epoch, document, offset, length).
+        ids_checked: ``tokens`` and ``labels`` were range-checked on the host before their copy to the device
+            (``training.data_io.to_device``); the model then skips its own check, which on a GPU reads the
+            device back and so waits for all work queued before it (``V4Model.batch_context``).
     """
 
     tokens: torch.Tensor
@@ -69,6 +72,7 @@ class PackedBatch:
     num_docs: int
     num_real_tokens: int
     segments: tuple[Segment, ...] = ()
+    ids_checked: bool = False
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..model.packing import check_ids
 from ..workspace import Workspace
 from .dist import DistInfo, Layout
 
@@ -60,17 +61,25 @@ def stage_loader(dataset: Any, recipe: Any, plan: Any, layout: Layout, *, valid:
                              dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid)
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with tokens and labels on ``device`` (the batch itself on CPU).
+def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
+    """``batch`` with its ids range-checked on the host and tokens and labels on ``device``.
 
+    The check (``packing.check_ids``: tokens in [0, ``vocab_size``), labels there or -100) runs on the CPU
+    tensors before the copy and marks the batch ``ids_checked``, so the model does not check again on the
+    device: that check reads the device back, which makes the host wait for the previous step's queued work
+    before it can build this batch's tables (the GPU then idles while the host works).
     ``cu_seqlens`` stays on the CPU: the model reads the boundaries on the host (``packing.make_pack``),
     so a device copy would cost a synchronisation per micro-batch. The copies do not wait for the
     device (``non_blocking``: pageable host memory is staged before the call returns).
+
+    Raises:
+        ValueError: an id out of range (names the tensor, the range found and the vocabulary).
     """
+    check_ids(batch.tokens, batch.labels, vocab_size)
     if device.type == "cpu":
-        return batch
+        return dataclasses.replace(batch, ids_checked=True)
     return dataclasses.replace(batch, tokens=batch.tokens.to(device, non_blocking=True),
-                               labels=batch.labels.to(device, non_blocking=True))
+                               labels=batch.labels.to(device, non_blocking=True), ids_checked=True)
 
 
 def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:
@@ -89,9 +98,10 @@ def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:
     return dataclasses.replace(batch, tokens=local.tokens, labels=local.labels)
 
 
-def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: Layout, boundary: int) -> list[Any]:
-    """The ``accum`` micro-batches of one step on this rank (its CP slice of each)."""
-    return [to_device(cp_slice(next(it), layout, boundary), device) for _ in range(plan.accum)]
+def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: Layout, boundary: int,
+                  vocab_size: int) -> list[Any]:
+    """The ``accum`` micro-batches of one step on this rank (its CP slice of each), ids checked (:func:`to_device`)."""
+    return [to_device(cp_slice(next(it), layout, boundary), device, vocab_size) for _ in range(plan.accum)]
 
 
 def eval_batches(dataset: Any, recipe: Any, plan: Any, layout: Layout, device: torch.device, boundary: int,
@@ -109,5 +119,5 @@ def eval_batches(dataset: Any, recipe: Any, plan: Any, layout: Layout, device: t
     for batch in loader.evaluation_batches():
         if len(out) >= mine:
             break
-        out.append(to_device(cp_slice(batch, layout, boundary), device))
+        out.append(to_device(cp_slice(batch, layout, boundary), device, recipe.model.vocab_size))
     return out

@@ -79,7 +79,7 @@ class CapturedStep:
             CaptureError: the first call could not capture the step.
         """
         ctx = self.model.batch_context(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels,
-                                       static_seqlen=self.seq_len)
+                                       static_seqlen=self.seq_len, ids_checked=getattr(mb, "ids_checked", False))
         if self.graph is None:
             self._capture(mb, ctx, loss_weight)
         else:

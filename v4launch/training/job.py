@@ -108,6 +108,11 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
     try:
         with runner.gc.during_training():  # run.gc_interval_steps: collections between timed steps only
             return _loop(runner, stop, stop_after_stage, max_steps)
+    except BaseException:
+        if not runner.info.active:  # the last queued step's record, if the device still answers (with ranks, its
+            with contextlib.suppress(Exception):  # means are collectives the other ranks may never join)
+                runner.flush_stats()
+        raise
     finally:
         runner.close_profiler()  # after an error too: an open torch.profiler crashes the process at exit
         metrics.close()

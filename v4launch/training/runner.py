@@ -34,7 +34,7 @@ from .result import TrainResult
 from .step_profile import StepProfiler
 from .state import (Progress, progress_from, progress_state, rng_state, seed_everything, set_determinism,
                     set_rng_state, stage_seed)
-from .step import autocast_for, evaluate, loss_weights, train_step
+from .step import PendingStats, autocast_for, evaluate, loss_weights, queue_step
 
 
 def refuse_missing_toolchain(backend: str | None, device: torch.device) -> None:
@@ -113,6 +113,8 @@ class Runner:
         self.saved_layout: tuple[int, int, int, int] | None = None  # (dp, cp, pp, ep) of the loaded checkpoint
         self.pm: ParallelModel | None = None
         self.captured: CapturedStep | None = None  # compile.cuda_graph: the stage's captured step
+        self._pending: tuple[PendingStats, dict[str, Any], float, bool] | None = None  # the step queued, not read yet
+        self._last_read = 0.0  # time.monotonic() when the last step's statistics arrived
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
         self.init_note: str | None = None  # what model.init_from_released loaded (logged at start)
@@ -374,39 +376,64 @@ class Runner:
         return None
 
     def _one_step(self, plan: StagePlan) -> None:
+        """Queue the next step, then read and log the one before it, which the GPU has finished meanwhile.
+
+        The step's statistics are read one step late (``step.PendingStats``): the host builds step N + 1's
+        batch tables and queues its work while the GPU still runs step N, instead of waiting for step N to
+        drain first. :meth:`flush_stats` reads the last one wherever the job needs the device quiet and the
+        log complete: before an evaluation, a checkpoint, a profile's end and a halt."""
         sched = self.schedule_step
         lr, muon_lr = self.schedule.lr(sched)
         self.opt.set_lr(lr, muon_lr)
         weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
         self.profiler.begin(self.progress.step + 1)
         t0 = time.monotonic()
-        batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary)
-        stats = train_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
-                           grad_clip=self.recipe.optimizer.grad_clip,
-                           bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info, autocast=self.autocast,
-                           cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout, experts=self.pm.experts,
-                           sharded=self.pm.sharded, captured=self.captured)
-        dt = time.monotonic() - t0
+        batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary, self.args.vocab_size)
+        pending = queue_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
+                             grad_clip=self.recipe.optimizer.grad_clip,
+                             bias_speed=self.recipe.model.moe.bias_update_speed, info=self.info,
+                             autocast=self.autocast, cp=plan.cp, pipeline=self.pm.pipeline, layout=self.layout,
+                             experts=self.pm.experts, sharded=self.pm.sharded, captured=self.captured)
         p = self.progress
-        p.step, p.step_in_stage, p.tokens, p.elapsed_s = p.step + 1, p.step_in_stage + 1, p.tokens + stats.tokens, \
-            p.elapsed_s + dt
+        p.step, p.step_in_stage = p.step + 1, p.step_in_stage + 1
         rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
-               "step": p.step, "dp": plan.dp, "cp": plan.cp, "pp": plan.pp, "tokens": p.tokens, "lr": lr, "muon_lr": muon_lr, "lm_loss": stats.lm_loss,
-               "aux": stats.aux, "aux_sum": stats.kinds, "aux_weighted": stats.weighted,
-               "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp},
-               "total_loss": stats.total, "grad_norm": stats.grad_norm, "tokens_per_s": stats.tokens / max(dt, 1e-9),
-               "step_time_s": dt, "elapsed_s": p.elapsed_s}
+               "step": p.step, "dp": plan.dp, "cp": plan.cp, "pp": plan.pp, "lr": lr, "muon_lr": muon_lr,
+               "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp}}
         interval = self.recipe.logging.interval_steps
         show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
-        self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+        self.flush_stats()  # the previous step's, now that this one is queued behind it
+        self._pending = (pending, rec, t0, show)
         self.gc.after_step(p.step)
+        if self.profiler.steps is not None and p.step == self.profiler.steps[1]:
+            self.flush_stats()  # the profile's last step logged before its table
         table = self.profiler.end(p.step)
         if table is not None:
             self.metrics.event(p.step, "profile", f"torch.profiler of steps {self.profiler.steps[0]}-{p.step}: {table}",
                                path=str(table))
 
+    def flush_stats(self) -> None:
+        """Read and log the queued step's statistics, if a step is queued (waits for that step on the device).
+
+        ``step_time_s`` is the time from the later of the step's start and the previous step's read to this
+        read: with steps queued back to back, the interval between two steps' ends on the device."""
+        if self._pending is None:
+            return
+        pending, rec, t0, show = self._pending
+        self._pending = None
+        stats = pending.result()
+        now = time.monotonic()
+        dt = now - max(t0, self._last_read)
+        self._last_read = now
+        p = self.progress
+        p.tokens, p.elapsed_s = p.tokens + stats.tokens, p.elapsed_s + dt
+        rec.update({"tokens": p.tokens, "lm_loss": stats.lm_loss, "aux": stats.aux, "aux_sum": stats.kinds,
+                    "aux_weighted": stats.weighted, "total_loss": stats.total, "grad_norm": stats.grad_norm,
+                    "tokens_per_s": stats.tokens / max(dt, 1e-9), "step_time_s": dt, "elapsed_s": p.elapsed_s})
+        self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
+        self.flush_stats()
         self.gc.full()
         batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
         result = evaluate(self.model, batches, self.info, self.autocast, pipeline=self.pm.pipeline, layout=self.layout)
@@ -423,6 +450,7 @@ class Runner:
     # ------------------------------------------------------------ checkpoints
     def save(self, plan: StagePlan) -> Path:
         """Checkpoint at the current step (every rank; collective). Keeps checkpointing.keep_last."""
+        self.flush_stats()  # the manifest's token count, and the step's record before the checkpoint's event
         p = self.progress
         if self.last_saved is not None and self.last_saved[0] == p.step:
             return self.last_saved[1]
@@ -464,6 +492,7 @@ class Runner:
 
     def halt(self, status: str, plan: StagePlan) -> TrainResult:
         """Save (unless this step is already saved) and build the result."""
+        self.flush_stats()
         path = self.save(plan) if self.progress.step > 0 or self.last_saved else None
         p = self.progress
         self.close_profiler()

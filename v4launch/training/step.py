@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from ..model.common import to_host
+from ..model.common import QueuedRead, to_host
 from ..model.parallel.data_parallel import clip_grad_norm, reduce_gradients
 from .dist import DistInfo, Layout, average_grads, fill_missing_grads, mean_scalars, merge_over, sum_tensors
 from .optim import Optimizers
@@ -141,7 +141,7 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
     replay of the captured forward + backward instead (the same loss composition).
 
     Returns (sum over micro-batches of each loss name's raw value, as float64 0-d tensors on the model's
-    device: nothing is read back here, :func:`train_step` reads them with the gradient norm in one transfer
+    device: nothing is read back here, :func:`queue_step` queues them with the gradient norm in one transfer
     after the optimizer step; micro-batches; real tokens of the micro-batches: under CP the whole
     micro-batch's, ``num_real_tokens`` stays global).
 
@@ -155,7 +155,8 @@ def accumulate(model: nn.Module, micro_batches: Iterable[Any], *, accum: int, we
             values = captured(mb, weights.of)
         else:
             with autocast():
-                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
+                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels,
+                            ids_checked=getattr(mb, "ids_checked", False))
             loss = compose_loss(out.lm_loss, out.aux_losses, weights)
             (loss / accum).backward()
             values = {"lm_loss": out.lm_loss, **out.aux_losses}
@@ -174,12 +175,51 @@ _GRAD_NORM = "\0grad_norm"
 """Key of the gradient norm in the step's one device -> host read (no loss is named so)."""
 
 
-def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
+@dataclass
+class PendingStats:
+    """A queued step's statistics: its loss sums and gradient norm on their way to the host (:class:`QueuedRead`).
+
+    :meth:`result` waits for that copy only, so the job queues step N + 1 before it reads step N and the GPU
+    does not idle while the host logs one step and builds the next one's batch tables. Every rank must call
+    :meth:`result` at the same point of its loop (the means are collectives when the job is distributed).
+    """
+
+    read: QueuedRead
+    pipeline_sums: dict[str, float] | None
+    n: int
+    tokens: int
+    weights: LossWeights
+    info: DistInfo
+    layout: Layout | None
+    cp: int
+
+    def result(self) -> StepStats:
+        """The step's :class:`StepStats` (losses averaged over micro-batches and ranks; tokens counted once)."""
+        read = self.read.values()
+        grad_norm = read.pop(_GRAD_NORM)
+        stats = _stats(read if self.pipeline_sums is None else self.pipeline_sums, self.n, self.weights, self.info,
+                       self.layout)
+        stats.grad_norm = grad_norm
+        # every rank of a CP group reports its micro-batches' (global) token count: count them once
+        group = self.layout.shard_group if self.layout is not None else None
+        ranks = self.layout.shard_size if self.layout is not None else self.info.world
+        stats.tokens = round(mean_scalars({"tokens": float(self.tokens)}, self.info, group)["tokens"] * ranks / self.cp)
+        return stats
+
+
+def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], **kwargs: Any) -> StepStats:
+    """One step, its statistics read at once: :func:`queue_step` then :meth:`PendingStats.result` (arguments
+    and errors as :func:`queue_step`)."""
+    return queue_step(model, opt, micro_batches, **kwargs).result()
+
+
+def queue_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], *, accum: int,
                weights: LossWeights, grad_clip: float, bias_speed: float, info: DistInfo,
                autocast: Callable[[], contextlib.AbstractContextManager], cp: int = 1,
                pipeline: Any = None, layout: Layout | None = None, experts: frozenset = frozenset(),
-               sharded: bool = False, captured: Any = None) -> StepStats:
-    """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases.
+               sharded: bool = False, captured: Any = None) -> PendingStats:
+    """Forward/backward ``accum`` micro-batches, reduce grads over ranks, clip, step, update router biases;
+    the statistics are queued for the host, not read (:class:`PendingStats`).
 
     Args:
         micro_batches: ``accum`` packed batches (``tokens`` [T], ``labels`` [T], ``cu_seqlens`` [N+1],
@@ -201,6 +241,7 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     """
     model.train()
     on_device: dict[str, torch.Tensor] = {}
+    sums = None
     if pipeline is None:
         on_device, n, tokens = accumulate(model, micro_batches, accum=accum, weights=weights, autocast=autocast,
                                           captured=captured)
@@ -213,7 +254,6 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         n, tokens = accum, sum(int(getattr(mb, "num_real_tokens", mb.tokens.numel())) for mb in batches)
     params = opt.params
     fill_missing_grads(params)
-    group = layout.shard_group if layout is not None else None
     norm = _reduce_and_clip(params, info, layout, dp=layout.dp if layout is not None else info.world // cp,
                             max_norm=grad_clip if grad_clip > 0 else math.inf, experts=experts, sharded=sharded)
     opt.step()
@@ -221,17 +261,13 @@ def train_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         opt.zero_grad()
     else:  # the graph adds into these very tensors at the next replay
         opt.zero_grad(set_to_none=False)
+    group = layout.shard_group if layout is not None else None
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
     model.update_router_bias(bias_speed)
-    # the step's one read of device values, after everything is queued: the host never waits mid-step
-    read = to_host({**on_device, _GRAD_NORM: norm.detach()})
-    grad_norm = read.pop(_GRAD_NORM)
-    stats = _stats(read if pipeline is None else sums, n, weights, info, layout)
-    stats.grad_norm = grad_norm
-    # every rank of a CP group reports its micro-batches' (global) token count: count them once
-    ranks = layout.shard_size if layout is not None else info.world
-    stats.tokens = round(mean_scalars({"tokens": float(tokens)}, info, group)["tokens"] * ranks / cp)
-    return stats
+    # the step's one copy of device values to the host, queued after everything else: the host never waits mid-step
+    read = QueuedRead({**on_device, _GRAD_NORM: norm.detach()})
+    return PendingStats(read=read, pipeline_sums=sums, n=n, tokens=tokens, weights=weights, info=info, layout=layout,
+                        cp=cp)
 
 
 def _reduce_and_clip(params: list[torch.Tensor], info: DistInfo, layout: Layout | None, *, dp: int,
@@ -289,7 +325,8 @@ def _evaluate(model: nn.Module, batches: Iterable[Any], info: DistInfo,
         layout = None
         for mb in batches:
             with autocast():
-                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels)
+                out = model(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels,
+                            ids_checked=getattr(mb, "ids_checked", False))
             loss = out.lm_loss.detach().to(torch.float64)
             total = loss if total is None else total + loss
             n += 1

@@ -1,0 +1,112 @@
+"""The job reads each step's statistics one step late (``step.PendingStats``, ``Runner.flush_stats``), and the
+data path checks token ids on the host (``data_io.to_device``), so that on a GPU the host builds and queues
+step N + 1 while the device still runs step N.
+
+What must hold whatever the device: step N's statistics are read after step N + 1 is queued inside a stage,
+before every checkpoint, evaluation and halt; each step is read and logged once, in order; the manifest
+counts the tokens of every step it covers; and the logged values are the step's own (the same as reading
+at once, which the eager-vs-compiled and resume tests compare elsewhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import train_records
+
+from v4launch.data.packing import PackedBatch
+from v4launch.model import ModelArgs, V4Model
+from v4launch.model import model as model_mod
+from v4launch.training import data_io
+from v4launch.training import runner as runner_mod
+from v4launch.training.job import train
+
+
+def test_each_step_is_read_after_the_next_is_queued_and_before_every_checkpoint(new_run, monkeypatch):
+    events: list[tuple[str, int]] = []
+    queued = [0]
+    real_queue, real_save, real_eval = runner_mod.queue_step, runner_mod.save_checkpoint, runner_mod.evaluate
+
+    def queue_step(*args, **kwargs):
+        pending = real_queue(*args, **kwargs)
+        queued[0] += 1
+        step = queued[0]
+        events.append(("queue", step))
+        real_result = pending.result
+
+        def result():
+            events.append(("read", step))
+            return real_result()
+
+        pending.result = result
+        return pending
+
+    def save_checkpoint(root, step, *args, **kwargs):
+        events.append(("save", step))
+        return real_save(root, step, *args, **kwargs)
+
+    def evaluate(*args, **kwargs):
+        events.append(("eval", queued[0]))
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "queue_step", queue_step)
+    monkeypatch.setattr(runner_mod, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(runner_mod, "evaluate", evaluate)
+    run_dir = new_run({"checkpointing": {"interval_steps": 2, "keep_last": 10}})  # stages of 3, 3 and 2 steps
+    result = train(run_dir, progress=False)
+    assert result.status == "completed" and queued[0] == 8
+
+    order = {e: i for i, e in enumerate(events)}
+    assert [s for kind, s in events if kind == "read"] == list(range(1, 9))  # each step read once, in order
+    for step in (1, 5, 7):  # no checkpoint or stage end after it: read only once the next step is queued
+        assert order[("queue", step + 1)] < order[("read", step)], events
+    for kind, step in events:
+        if kind in ("save", "eval"):  # a checkpoint or evaluation at step N comes after step N's read
+            assert order[("read", step)] < order[(kind, step)], events
+    assert [s for kind, s in events if kind == "save"] == [2, 3, 4, 6, 8]
+
+    records = train_records(run_dir)
+    assert sorted(records) == list(range(1, 9))
+    tokens = [records[s]["tokens"] for s in range(1, 9)]
+    assert all(b > a for a, b in zip(tokens, tokens[1:]))  # cumulative, each step counted once
+    assert all(records[s]["step_time_s"] > 0 and records[s]["tokens_per_s"] > 0 for s in records)
+    import json
+
+    manifest = json.loads((run_dir / "checkpoints" / "step_00000008" / "manifest.json").read_text())
+    assert manifest["tokens_consumed"] == records[8]["tokens"]
+
+
+def _batch(tokens: list[int], labels: list[int]) -> PackedBatch:
+    n = len(tokens)
+    return PackedBatch(tokens=torch.tensor(tokens), labels=torch.tensor(labels),
+                       cu_seqlens=torch.tensor([0, n], dtype=torch.int32), max_seqlen=n, num_docs=1,
+                       num_real_tokens=n)
+
+
+def test_the_data_path_checks_ids_on_the_host_and_marks_the_batch():
+    vocab = 50
+    ok = data_io.to_device(_batch([1, 2, 49], [2, 49, -100]), torch.device("cpu"), vocab)
+    assert ok.ids_checked
+    with pytest.raises(ValueError, match=r"tokens.*range \[1, 50\].*\[0, 50\)"):
+        data_io.to_device(_batch([1, 50, 3], [50, 3, -100]), torch.device("cpu"), vocab)
+    with pytest.raises(ValueError, match=r"labels.*value -7"):
+        data_io.to_device(_batch([1, 2, 3], [2, -7, -100]), torch.device("cpu"), vocab)
+
+
+def test_the_model_skips_its_own_id_check_only_for_a_checked_batch(monkeypatch):
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=1, n_mtp_layers=0, compress_ratios=(0,), n_heads=2,
+                     head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, window_size=8,
+                     n_routed_experts=4, n_activated_experts=2, moe_inter_dim=16, n_hash_layers=0, hc_mult=2)
+    model = V4Model(args, "dense")
+    calls: list[int] = []
+    real = model_mod.check_ids
+    monkeypatch.setattr(model_mod, "check_ids", lambda t, lab, v: (calls.append(v), real(t, lab, v)))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    tokens = torch.randint(0, 64, (24,), generator=gen)
+    cu = torch.tensor([0, 24], dtype=torch.int32)
+    model.batch_context(tokens, cu, 24, tokens)
+    assert calls == [64]
+    model.batch_context(tokens, cu, 24, tokens, ids_checked=True)
+    assert calls == [64]  # not again
+    with pytest.raises(ValueError, match="tokens"):  # unchecked: a bad id still gets the clear error
+        model.batch_context(tokens + 64, cu, 24, tokens)
