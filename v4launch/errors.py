@@ -42,6 +42,11 @@ class RefusedError(V4LaunchError):
     """An action was refused to protect a run (unsafe resume, dirty tree, …) (exit 1)."""
 
 
+class TrainingDiverged(V4LaunchError):
+    """A step's loss or gradient norm was not finite: the job stopped before saving it, so the checkpoints on disk
+    (``checkpointing.keep_last`` of them) are all from before (exit 1)."""
+
+
 class InterruptedRun(V4LaunchError):
     """A run stopped by a signal (Ctrl-C, kill) before its workers could save or report a result (exit 130,
     the shell's code for an interrupt): not a failure of the run."""

@@ -110,3 +110,34 @@ def test_the_model_skips_its_own_id_check_only_for_a_checked_batch(monkeypatch):
     assert calls == [64]  # not again
     with pytest.raises(ValueError, match="tokens"):  # unchecked: a bad id still gets the clear error
         model.batch_context(tokens + 64, cu, 24, tokens)
+
+
+def test_a_non_finite_step_stops_the_job_before_anything_is_saved(new_run, monkeypatch):
+    """Weights turned NaN before step 3: the job raises at step 3's read, names the step and the newest
+    checkpoint (step 2), and saves nothing after it; keep_last=1 would otherwise have replaced the good one."""
+    from v4launch.errors import TrainingDiverged
+
+    real_queue = runner_mod.queue_step
+    queued = [0]
+
+    def queue_step(model, *args, **kwargs):
+        queued[0] += 1
+        if queued[0] == 3:
+            with torch.no_grad():
+                next(p for n, p in model.named_parameters() if n.endswith("attn_norm.weight")).fill_(float("nan"))
+        return real_queue(model, *args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "queue_step", queue_step)
+    run_dir = new_run({"checkpointing": {"interval_steps": 2, "keep_last": 1},
+                       "curriculum": {"stages": [{"name": "dense", "seq_len": 64, "phase": "dense", "steps": 6}]}})
+    with pytest.raises(TrainingDiverged, match=r"step 3 \(stage dense.*lm_loss = nan.*step_00000002") as err:
+        train(run_dir, progress=False)
+    assert "optimizer.lr" in err.value.hint
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    records = train_records(run_dir)
+    assert max(records) == 3 and records[2]["lm_loss"] == records[2]["lm_loss"]  # step 2 finite, step 3 logged
+    import json
+
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (diverged,) = [e for e in events if e.get("event") == "diverged"]
+    assert diverged["step"] == 3 and "lm_loss" in diverged["values"]

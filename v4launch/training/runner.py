@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import threading
@@ -16,7 +17,7 @@ from ..checkpoints.base import CheckpointError, Manifest, csa_layer_ids
 from ..checkpoints.dcp import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..checkpoints.stateful import ModelState, OptimizerState
 from ..data.resume_state import loader_state_for_resume
-from ..errors import ContractViolation, RefusedError, UsageError
+from ..errors import ContractViolation, RefusedError, TrainingDiverged, UsageError
 from ..model import V4Model
 from ..model.compile import toolchain_problem
 from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
@@ -430,6 +431,30 @@ class Runner:
                     "aux_weighted": stats.weighted, "total_loss": stats.total, "grad_norm": stats.grad_norm,
                     "tokens_per_s": stats.tokens / max(dt, 1e-9), "step_time_s": dt, "elapsed_s": p.elapsed_s})
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+        self._refuse_non_finite(rec)
+
+    def _refuse_non_finite(self, rec: dict[str, Any]) -> None:
+        """Stop the job, saving nothing, when the step's losses or gradient norm are not finite.
+
+        Training on would write NaN weights into the next checkpoint, and ``checkpointing.keep_last`` would then
+        delete the good ones. The values are means over every rank (the same on all), so every rank stops here.
+        Raises:
+            TrainingDiverged: names the step, the values and the newest checkpoint, which is left as it is.
+        """
+        values = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "total_loss": rec["total_loss"],
+                  **{f"aux.{k}": v for k, v in rec["aux"].items()}}
+        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        if not bad:
+            return
+        newest = latest_checkpoint(self.ckpt_root)
+        kept = f"the newest checkpoint, {newest.name}, is from before it" if newest else "no checkpoint was saved yet"
+        where = f"step {rec['step']} (stage {rec['stage']}, phase {rec['phase']}, lr {rec['lr']:.3g})"
+        message = (f"{where}: " + ", ".join(f"{k} = {v}" for k, v in bad.items()) + " is not finite; the job "
+                   f"stopped without saving it (its record is in metrics.jsonl) and {kept}")
+        self.metrics.event(rec["step"], "diverged", message, values=bad)
+        raise TrainingDiverged(message, hint="look at the steps before it in metrics.jsonl (lm_loss, grad_norm); "
+                               "lower optimizer.lr, raise optimizer.warmup_steps or set optimizer.grad_clip, "
+                               "then continue from that checkpoint (`v4launch resume`) or start a new run")
 
     def finish_stage(self, plan: StagePlan) -> None:
         """Held-out evaluation and the stage-end checkpoint."""
