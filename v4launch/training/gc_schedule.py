@@ -13,8 +13,8 @@ With ``gc_interval_steps`` > 0 the job turns automatic collection off while it t
 generations (``gc.collect(1)``: the objects of the last steps, a few ms) every ``gc_interval_steps`` steps, and
 runs a full collection where the job is not timing steps: at its start, at each stage end (before the held-out
 evaluation) and before a checkpoint (the same policy as torchtitan's ``training.gc_freq``). ``0``, the default,
-leaves Python's automatic collection on: with it off, the compiled CPU run of tests/training/test_train_compile.py
-failed inside dynamo ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
+leaves Python's automatic collection on until a GPU run shows that the schedule removes the slow steps.
+(A dynamo failure once blamed on it came from test order: ``parallelize`` now resets dynamo before compiling.)
 """
 
 from __future__ import annotations
