@@ -9,6 +9,7 @@ holds when a sub-module is cast on its own.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -147,10 +148,15 @@ class QueuedRead:
     """0-d tensors (name -> value) on their way to the host: stacked as float64 and copied into pinned host memory
     behind the work already queued on the device, without waiting for it. :meth:`values` waits for that copy
     only (a CUDA event), so a caller can queue the next step first and read this one while the GPU runs it.
-    On the CPU the values are there at once."""
+    On the CPU the values are there at once.
+
+    ``ready_at``: ``time.monotonic()`` when the values were known to be on the host: at construction on the CPU
+    (the work that made them ran synchronously), when :meth:`values` returned from the event on a GPU (an upper
+    bound: the copy may have landed earlier); None before that."""
 
     def __init__(self, values: dict[str, torch.Tensor]) -> None:
         self.names = list(values)
+        self.ready_at: float | None = None
         self.event: torch.cuda.Event | None = None
         self.host: torch.Tensor | None = None
         if not values:
@@ -164,6 +170,7 @@ class QueuedRead:
             self.event.record()
         else:
             self.host = stacked
+            self.ready_at = time.monotonic()
 
     def values(self) -> dict[str, float]:
         """name -> float; waits for the device work queued before this read was, and for nothing queued after."""
@@ -171,6 +178,7 @@ class QueuedRead:
             return {}
         if self.event is not None:
             self.event.synchronize()
+            self.ready_at = time.monotonic()
         return dict(zip(self.names, self.host.tolist()))
 
 

@@ -115,7 +115,7 @@ class Runner:
         self.pm: ParallelModel | None = None
         self.captured: CapturedStep | None = None  # compile.cuda_graph: the stage's captured step
         self._pending: tuple[PendingStats, dict[str, Any], float, bool] | None = None  # the step queued, not read yet
-        self._last_read = 0.0  # time.monotonic() when the last step's statistics arrived
+        self._last_read = 0.0  # time.monotonic() when the last step read had ended (QueuedRead.ready_at)
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
         self.init_note: str | None = None  # what model.init_from_released loaded (logged at start)
@@ -415,16 +415,18 @@ class Runner:
     def flush_stats(self) -> None:
         """Read and log the queued step's statistics, if a step is queued (waits for that step on the device).
 
-        ``step_time_s`` is the time from the later of the step's start and the previous step's read to this
-        read: with steps queued back to back, the interval between two steps' ends on the device."""
+        ``step_time_s`` runs from the later of the step's start and the previous step's end to this step's end,
+        the end being when its values were on the host (``QueuedRead.ready_at``: at the end of the queued work
+        on a CPU, where it runs synchronously; when the read returned on a GPU). With steps queued back to
+        back on a GPU, it is the interval between two steps' ends on the device."""
         if self._pending is None:
             return
         pending, rec, t0, show = self._pending
         self._pending = None
         stats = pending.result()
-        now = time.monotonic()
-        dt = now - max(t0, self._last_read)
-        self._last_read = now
+        done = pending.read.ready_at or time.monotonic()
+        dt = done - max(t0, self._last_read)
+        self._last_read = done
         p = self.progress
         p.tokens, p.elapsed_s = p.tokens + stats.tokens, p.elapsed_s + dt
         rec.update({"tokens": p.tokens, "lm_loss": stats.lm_loss, "aux": stats.aux, "aux_sum": stats.kinds,
