@@ -15,6 +15,7 @@ import torch
 from train_helpers import train_records
 
 from v4launch.data.packing import PackedBatch
+from v4launch.errors import UsageError
 from v4launch.model import ModelArgs, V4Model
 from v4launch.model import model as model_mod
 from v4launch.training import data_io
@@ -91,9 +92,10 @@ def test_the_data_path_checks_ids_on_the_host_and_marks_the_batch():
     vocab = 50
     ok = data_io.to_device(_batch([1, 2, 49], [2, 49, -100]), torch.device("cpu"), vocab)
     assert ok.ids_checked
-    with pytest.raises(ValueError, match=r"tokens.*range \[1, 50\].*\[0, 50\)"):
+    with pytest.raises(UsageError, match=r"model.vocab_size = 50: tokens.*range \[1, 50\].*\[0, 50\)") as err:
         data_io.to_device(_batch([1, 50, 3], [50, 3, -100]), torch.device("cpu"), vocab)
-    with pytest.raises(ValueError, match=r"labels.*value -7"):
+    assert "model.vocab_size" in err.value.hint and "data.tokenizer" in err.value.hint
+    with pytest.raises(UsageError, match=r"labels.*value -7"):
         data_io.to_device(_batch([1, 2, 3], [2, -7, -100]), torch.device("cpu"), vocab)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..errors import UsageError
 from ..model.packing import check_ids
 from ..workspace import Workspace
 from .dist import DistInfo, Layout
@@ -73,9 +74,16 @@ def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
     device (``non_blocking``: pageable host memory is staged before the call returns).
 
     Raises:
-        ValueError: an id out of range (names the tensor, the range found and the vocabulary).
+        UsageError: an id out of range (the tensor, the range found, the vocabulary and the fix): the data was
+            tokenized for another vocabulary than ``model.vocab_size``.
     """
-    check_ids(batch.tokens, batch.labels, vocab_size)
+    try:
+        check_ids(batch.tokens, batch.labels, vocab_size)
+    except ValueError as exc:
+        raise UsageError(f"data: a training batch does not fit model.vocab_size = {vocab_size}: "
+                         f"{str(exc).split(' Fix: ')[0]}",
+                         hint="set model.vocab_size to the vocabulary the data was tokenized with (at least the "
+                              "largest id + 1), or prepare the data again with the recipe's data.tokenizer") from None
     if device.type == "cpu":
         return dataclasses.replace(batch, ids_checked=True)
     return dataclasses.replace(batch, tokens=batch.tokens.to(device, non_blocking=True),
