@@ -140,6 +140,7 @@ COVERAGE: dict[str, Coverage] = {
     "data.max_documents": Honoured(DATA_KEY),
     "data.validation_fraction": Honoured(DATA_KEY),
     "data.seed": Honoured("v4launch.training.data_io:stage_loader"),
+    "data.packing": Honoured("v4launch.training.data_io:stage_loader"),
     "checkpointing.interval_steps": Honoured("v4launch.training.runner:Runner.run_stage"),
     "checkpointing.keep_last": Honoured("v4launch.training.runner:Runner.save"),
     "logging.interval_steps": Honoured("v4launch.training.runner:Runner._one_step"),

@@ -91,27 +91,41 @@ def run_epoch(loaders) -> list:
     return out
 
 
+def row_fill(b: PackedBatch, seq_len: int) -> list[tuple[int, int]]:
+    """(epoch, real tokens) of each row of ``b`` (from its segments, rows in order; rows never mix epochs)."""
+    rows: list[list[int]] = []
+    for epoch, _, _, n in b.segments:
+        if not rows or rows[-1][0] != epoch or rows[-1][1] + n > seq_len:
+            rows.append([epoch, 0])
+        rows[-1][1] += n
+    return [(e, n) for e, n in rows]
+
+
 @HYP
-@given(lengths=lengths_st, seq_len=st.integers(1, 160), dp=st.integers(1, 3), mbs=st.integers(1, 2), seed=st.integers(0, 9))
-def test_every_token_once_per_epoch_across_ranks(make_dataset, lengths, seq_len, dp, mbs, seed):
+@given(lengths=lengths_st, seq_len=st.integers(1, 160), dp=st.integers(1, 3), mbs=st.integers(1, 2), seed=st.integers(0, 9),
+       fill=st.booleans())
+def test_every_token_once_per_epoch_across_ranks(make_dataset, lengths, seq_len, dp, mbs, seed, fill):
     prefix, docs = make_dataset(lengths, seed)
-    loaders = [PackedBatchLoader(prefix, seq_len, seed, r, dp, mbs) for r in range(dp)]
+    loaders = [PackedBatchLoader(prefix, seq_len, seed, r, dp, mbs, fill_rows=fill) for r in range(dp)]
     batches = run_epoch(loaders)
     for b in batches:
         check_batch(b, docs, seq_len, mbs)
     coverage([s for b in batches for s in b.segments], docs)
+    if fill:  # data.packing=fill_rows: every row of epoch 0 is full but its last one
+        rows = [n for b in batches for e, n in row_fill(b, seq_len) if e == 0]
+        assert all(n == seq_len for n in rows[:-1]), rows
     assert len({ld.epoch for ld in loaders}) == 1
     assert loaders[0].state_dict() == loaders[-1].state_dict()
 
 
 @HYP
-@given(lengths=lengths_st, seq_len=st.integers(1, 160), k=st.integers(0, 12))
-def test_resume_parity(make_dataset, lengths, seq_len, k):
+@given(lengths=lengths_st, seq_len=st.integers(1, 160), k=st.integers(0, 12), fill=st.booleans())
+def test_resume_parity(make_dataset, lengths, seq_len, k, fill):
     prefix, docs = make_dataset(lengths)
-    a = PackedBatchLoader(prefix, seq_len, 3, 0, 1)
+    a = PackedBatchLoader(prefix, seq_len, 3, 0, 1, fill_rows=fill)
     draw_rounds([a], k)
     state = a.state_dict()
-    b = PackedBatchLoader(prefix, seq_len, 3, 0, 1)
+    b = PackedBatchLoader(prefix, seq_len, 3, 0, 1, fill_rows=fill)
     b.load_state_dict(state)
     for _ in range(8):
         x, y = next(a), next(b)
@@ -121,14 +135,16 @@ def test_resume_parity(make_dataset, lengths, seq_len, k):
 
 @HYP
 @given(lengths=lengths_st, seq_len=st.integers(1, 160), new_seq_len=st.integers(1, 200), k=st.integers(0, 6),
-       dp=st.integers(1, 3), new_dp=st.integers(1, 3))
-def test_dp_and_seq_len_change_continue_without_skip_or_repeat(make_dataset, lengths, seq_len, new_seq_len, k, dp, new_dp):
+       dp=st.integers(1, 3), new_dp=st.integers(1, 3), fill=st.booleans(), new_fill=st.booleans())
+def test_dp_and_seq_len_change_continue_without_skip_or_repeat(make_dataset, lengths, seq_len, new_seq_len, k, dp, new_dp,
+                                                              fill, new_fill):
+    """Also across a change of data.packing (the state is a cursor either way)."""
     prefix, docs = make_dataset(lengths)
-    first = [PackedBatchLoader(prefix, seq_len, 5, r, dp) for r in range(dp)]
+    first = [PackedBatchLoader(prefix, seq_len, 5, r, dp, fill_rows=fill) for r in range(dp)]
     before = draw_rounds(first, k)
     state = first[0].state_dict()
     assert all(ld.state_dict() == state for ld in first)
-    second = [PackedBatchLoader(prefix, new_seq_len, 5, r, new_dp) for r in range(new_dp)]
+    second = [PackedBatchLoader(prefix, new_seq_len, 5, r, new_dp, fill_rows=new_fill) for r in range(new_dp)]
     for ld in second:
         ld.load_state_dict(state)
     after = run_epoch(second) if second[0].epoch == 0 else []
@@ -157,6 +173,20 @@ def test_long_document_split_into_row_sized_pieces(make_dataset):
     assert b0.cu_seqlens.tolist() == [0, 10, 256] and bool((b0.labels[10:] == IGNORE_INDEX).all())
     pieces = [next(ld).segments for _ in range(4)]
     assert pieces == [((0, 1, 0, 256),), ((0, 1, 256, 256),), ((0, 1, 512, 256),), ((0, 1, 768, 232),)]
+
+
+def test_fill_rows_cuts_the_document_that_does_not_fit_at_the_row_end(make_dataset):
+    prefix, docs = make_dataset([10, 1000, 20])
+    ld = PackedBatchLoader(prefix, 256, 0, 0, 1, shuffle=False, fill_rows=True)
+    got = [next(ld) for _ in range(5)]
+    assert got[0].segments == ((0, 0, 0, 10), (0, 1, 0, 246))  # no padding: the long document fills the row
+    assert got[0].cu_seqlens.tolist() == [0, 10, 256] and got[0].num_real_tokens == 256
+    assert int(got[0].labels[9]) == IGNORE_INDEX and int(got[0].labels[255]) == IGNORE_INDEX  # no label crosses
+    assert [b.segments for b in got[1:]] == [((0, 1, 246, 256),), ((0, 1, 502, 256),), ((0, 1, 758, 242), (0, 2, 0, 14)),
+                                             ((0, 2, 14, 6),)]  # the epoch's last row is short (padding after it)
+    assert got[4].cu_seqlens.tolist() == [0, 6, 256]
+    whole = PackedBatchLoader(prefix, 256, 0, 0, 1, shuffle=False)
+    assert next(whole).num_real_tokens == 10  # the default moves the long document to the next row
 
 
 def test_evaluation_batches_same_count_on_every_rank(make_dataset):

@@ -127,6 +127,35 @@ def test_document_cap_is_applied_to_the_data_the_job_reads(cli_run):
     assert f"fresh pass over {ds.num_documents} documents" in log and "data.max_documents null → 6" in log
 
 
+def test_new_packing_continues_the_same_data_without_preparing_again(cli_run):
+    """data.packing only changes how rows are filled: the loader continues from its saved position over the
+    same prepared dataset (no fresh pass, no data event), and the report says so."""
+    run = cli_run
+    prefix_before = json.loads((run / "run.json").read_text())["extra"]["data_prefix"]
+    code, out, text = cli("resume", run, "data.packing=fill_rows", "--dry-run", "--json")
+    assert code == 0, text
+    packing = items(out)["data.packing"]
+    assert packing["verdict"] == "applied" and "whole_documents → fill_rows" in packing["reason"]
+    assert "not prepared again" in packing["reason"] and "nothing is skipped or repeated" in packing["reason"]
+    code, _, text = cli("resume", run, "data.packing=fill_rows", "--max-steps", "5", "--no-progress")
+    assert code == 0, text
+    assert json.loads((run / "run.json").read_text())["extra"]["data_prefix"] == prefix_before
+    assert events(run, "data") == [] and "packing: fill_rows" in (run / "recipe.yaml").read_text()
+    assert sorted(train_records(run)) == [1, 2, 3, 4, 5]
+    # the job's loaders: training fills rows, evaluation packs whole documents
+    from types import SimpleNamespace
+
+    from v4launch.data import PreparedDataset
+    from v4launch.rundir import load_run
+    from v4launch.training.data_io import stage_loader
+
+    ds = PreparedDataset.read(Path(prefix_before))
+    plan, layout = SimpleNamespace(seq_len=64, micro_batch=1), SimpleNamespace(dp_rank=0, dp=1)
+    recipe = load_run(run).recipe
+    assert stage_loader(ds, recipe, plan, layout).fill_rows
+    assert not stage_loader(ds, recipe, plan, layout, valid=True).fill_rows
+
+
 def test_report_lists_every_changed_field_with_its_verdict(cli_run):
     run = cli_run
     code, out, text = cli("resume", run, "--json", "--dry-run", "optimizer.lr=1e-3", "logging.interval_steps=2",

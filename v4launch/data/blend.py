@@ -226,15 +226,17 @@ def draws_per_epoch(weights: np.ndarray, total: int) -> np.ndarray:
 class BlendedBatchLoader(PackedBatchLoader):
     """``PackedBatchLoader`` over a weighted blend (sampling rule in the module docstring).
 
-    Args: dataset (a :class:`BlendDataset`), then as ``PackedBatchLoader``; ``valid=True`` reads the
-    held-out documents (in prefix order: ``shuffle`` False).
+    Args: dataset (a :class:`BlendDataset`), then as ``PackedBatchLoader`` (``fill_rows`` included);
+    ``valid=True`` reads the held-out documents (in prefix order: ``shuffle`` False).
     """
 
     def __init__(self, dataset: BlendDataset, seq_len: int, seed: int, dp_rank: int, dp_size: int,
-                 micro_batch_size: int = 1, *, pad_id: int = 0, shuffle: bool = True, valid: bool = False):
+                 micro_batch_size: int = 1, *, pad_id: int = 0, shuffle: bool = True, valid: bool = False,
+                 fill_rows: bool = False):
         self._docs = _BlendDocuments(dataset, valid)
         self._weights = np.array([s["weight"] for s in dataset.sources], dtype=np.float64)
-        super().__init__(None, seq_len, seed, dp_rank, dp_size, micro_batch_size, pad_id=pad_id, shuffle=shuffle)
+        super().__init__(None, seq_len, seed, dp_rank, dp_size, micro_batch_size, pad_id=pad_id, shuffle=shuffle,
+                         fill_rows=fill_rows)
         self.dataset_key = dataset.key
 
     def _open(self) -> None:

@@ -5,7 +5,11 @@ document order and keeps only its own micro-batches (rank r of dp takes global
 micro-batches r, r+dp, …). A row (``seq_len`` tokens) is filled greedily:
 
 * documents are taken whole in shuffled order; one that does not fit in what is
-  left of the row starts the next row;
+  left of the row starts the next row (``fill_rows=False``, ``data.packing:
+  whole_documents``), or fills the rest of the row and continues as a segment of
+  its own at the start of the next row (``fill_rows=True``, ``data.packing:
+  fill_rows``: no padding except at an epoch's end, at the cost of cutting
+  documents at row ends);
 * a document longer than ``seq_len`` is cut into ``seq_len``-token pieces, each
   its own segment (its last, shorter piece packs like a short document);
 * rows never mix epochs; the last row of an epoch may be short;
@@ -103,6 +107,8 @@ class PackedBatchLoader:
         micro_batch_size: rows per micro-batch, concatenated on the token axis (T = rows · seq_len).
         pad_id: token id of padding (its labels are -100 whatever it is).
         shuffle: False keeps dataset order (evaluation).
+        fill_rows: cut a document that does not fit the rest of a row at the row's end (its rest starts the
+            next row) instead of moving it whole to the next row and padding this one.
 
     Raises:
         ValueError: seq_len, dp_size or micro_batch_size < 1, dp_rank outside [0, dp_size),
@@ -111,7 +117,7 @@ class PackedBatchLoader:
     """
 
     def __init__(self, prefix: Path | str, seq_len: int, seed: int, dp_rank: int, dp_size: int,
-                 micro_batch_size: int = 1, *, pad_id: int = 0, shuffle: bool = True):
+                 micro_batch_size: int = 1, *, pad_id: int = 0, shuffle: bool = True, fill_rows: bool = False):
         _positive("seq_len", seq_len)
         _positive("dp_size", dp_size)
         _positive("micro_batch_size", micro_batch_size)
@@ -121,6 +127,7 @@ class PackedBatchLoader:
         self.prefix = Path(prefix) if prefix is not None else None
         self.seq_len, self.seed, self.dp_rank, self.dp_size = int(seq_len), int(seed), int(dp_rank), int(dp_size)
         self.micro_batch_size, self.pad_id, self.shuffle = int(micro_batch_size), int(pad_id), shuffle
+        self.fill_rows = bool(fill_rows)
         self._open()
         self.num_docs, self.num_tokens = len(self._lengths), int(self._lengths.sum())
         if self.num_tokens == 0:
@@ -174,6 +181,9 @@ class PackedBatchLoader:
                 if used == self.seq_len:
                     return segs, self._normal((epoch, pos, off))
                 continue
+            if used > 0 and self.fill_rows:  # does not fit: its head fills the row, its rest starts the next
+                segs.append((epoch, doc, off, self.seq_len - used))
+                return segs, (epoch, pos, off + self.seq_len - used)
             if used > 0:  # does not fit: starts the next row
                 return segs, (epoch, pos, off)
             segs.append((epoch, doc, off, self.seq_len))  # longer than a row: one full piece

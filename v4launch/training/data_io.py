@@ -50,16 +50,21 @@ def stage_loader(dataset: Any, recipe: Any, plan: Any, layout: Layout, *, valid:
 
     All stages read one data stream (seed ``data.seed``): the job hands the previous stage's loader
     state to the next stage's loader, which continues with the first token not yet consumed.
+    Training packs as ``data.packing`` says; evaluation (``valid``) always packs whole documents, so the
+    held-out loss does not depend on that choice.
     """
     from ..data.blend import BlendDataset, BlendedBatchLoader
     from ..data.packing import PackedBatchLoader
 
+    fill_rows = recipe.data.packing == "fill_rows" and not valid
     if isinstance(dataset, BlendDataset):  # data.source=blend: existing megatron-core datasets sampled by weight
         return BlendedBatchLoader(dataset, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=layout.dp_rank,
-                                  dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid, valid=valid)
+                                  dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid, valid=valid,
+                                  fill_rows=fill_rows)
     prefix = dataset.valid_prefix if valid else dataset.train_prefix
     return PackedBatchLoader(prefix, seq_len=plan.seq_len, seed=recipe.data.seed, dp_rank=layout.dp_rank,
-                             dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid)
+                             dp_size=layout.dp, micro_batch_size=plan.micro_batch, shuffle=not valid,
+                             fill_rows=fill_rows)
 
 
 def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:

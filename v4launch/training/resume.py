@@ -249,7 +249,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
                               param_groups=groups, allow=set(allow), checkpoint_recipe=old)
     except ValueError as exc:
         raise UsageError(str(exc), hint="see `v4launch resume --help`") from None
-    data_changed = old is not None and old.get("data") != recipe_fields(recipe)["data"]
+    data_changed = old is not None and _prepared_data(old.get("data")) != _prepared_data(recipe_fields(recipe)["data"])
     if data_changed:
         from ..data.prepare import cache_key
 
@@ -303,7 +303,16 @@ def _decided_by(path: str) -> str | None:
                  if any(path == n or (n.endswith(".") and path.startswith(n)) for n in names)), None)
 
 
+def _prepared_data(section: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``data:`` fields the prepared dataset depends on: all but ``packing``, which only changes how the
+    loader fills rows (a checkpoint from before the field existed has none)."""
+    return None if section is None else {k: v for k, v in section.items() if k != "packing"}
+
+
 def _data_meaning(path: str, new: Any, step: int) -> str:
+    if path == "data.packing":
+        return (f"from step {step} training rows are packed as {new}; the loader continues from the first token not "
+                "yet consumed (nothing is skipped or repeated), and the dataset is not prepared again")
     if path == "data.seed":
         return (f"from step {step} the loader starts a fresh pass over the data in the order of data.seed={new}: "
                 "the data order changes, the rest of the current pass is not read and documents seen before may "
