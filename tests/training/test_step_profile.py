@@ -6,6 +6,8 @@ recorded, what is written where, and that a malformed value is refused before a 
 
 from __future__ import annotations
 
+import gzip
+import json
 import re
 from pathlib import Path
 
@@ -40,6 +42,12 @@ def test_profiles_exactly_the_steps_asked_for(tmp_path: Path):
                     text)
     calls = int(re.search(r"aten::mm\s.*?\s(\d+)\s*$", text, re.M).group(1))
     assert calls == 20 + 30
+    launched = text.split("most calls per step")[1]
+    per_step = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s+([\d.]+)\s+[\d.]+ ms\s+(\S+)$", launched, re.M)}
+    assert per_step["aten::mm"] == per_step["aten::tanh"] == (20 + 30) / 2
+    with gzip.open(tmp_path / "profile" / "rank3_steps2-3.trace.json.gz", "rt") as f:
+        trace = json.load(f)
+    assert sum(1 for e in trace["traceEvents"] if e.get("name") == "aten::mm") == 20 + 30
 
 
 def test_a_window_the_run_stops_inside_is_closed_and_written(tmp_path: Path):
@@ -95,7 +103,8 @@ def test_a_run_stopped_inside_the_window_ends_cleanly(tmp_path: Path, monkeypatc
     code, out = _cli("run", str(recipe), "--max-steps", "3", "--no-progress")
     assert code == 0, out
     (run,) = (tmp_path / "runs").iterdir()
-    assert sorted(p.name for p in (run / "profile").iterdir()) == ["rank0_steps2-3.txt", "rank1_steps2-3.txt"]
+    assert sorted(p.name for p in (run / "profile").iterdir()) == [
+        "rank0_steps2-3.trace.json.gz", "rank0_steps2-3.txt", "rank1_steps2-3.trace.json.gz", "rank1_steps2-3.txt"]
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "profile" and "stopped before step 9" in (run / "logs" / "rank0.log").read_text()
                for e in events)

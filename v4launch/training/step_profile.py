@@ -3,7 +3,10 @@
 torch.profiler records steps ``first`` to ``last`` (global optimizer steps, 1-based, both included) on every
 rank, with CPU and CUDA activity. When the last one ends, each rank writes
 ``<run>/profile/rank<R>_steps<first>-<last>.txt``: wall, host (self CPU) and device (self CUDA) time per step,
-then the operators and kernels that took the most time (``key_averages``). An environment variable, not a
+the operators and kernels that took the most time (``key_averages``), then those launched most often per step
+(a storm of tiny kernels costs launch time and a few microseconds of GPU each, and ranks low by time alone),
+and beside it ``rank<R>_steps<first>-<last>.trace.json.gz``, the Chrome trace (Perfetto or
+``chrome://tracing`` open it gzipped). An environment variable, not a
 recipe field: it changes nothing the run computes, reaches the worker processes and Slurm jobs unchanged,
 and is not frozen into the run's recipe.
 """
@@ -11,7 +14,9 @@ and is not frozen into the run's recipe.
 from __future__ import annotations
 
 import collections
+import gzip
 import os
+import shutil
 import time
 import traceback
 import warnings
@@ -22,7 +27,11 @@ from ..errors import UsageError
 
 ENV = "V4LAUNCH_PROFILE_STEPS"
 ROWS = 40
-"""Operators listed per table."""
+"""Operators listed in the table by time."""
+LAUNCH_ROWS = 15
+"""Operators listed in the table by calls per step."""
+NAME_WIDTH = 100
+"""Characters of an operator's or kernel's name shown (kernel names differ late: ``..._kernel<4, at::...``)."""
 
 
 def parse_steps(text: str) -> tuple[int, int]:
@@ -168,5 +177,28 @@ class StepProfiler:
         device = f"{cuda:.1f} ms/step" if torch.cuda.is_available() else "n/a (no GPU)"
         header = (f"steps {first}-{last} ({n}), rank {self.rank}: wall {1e3 * wall / n:.1f} ms/step, "
                   f"host (self CPU, GPU waits excluded) {cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
-        path.write_text(header + events.table(sort_by=sort, row_limit=ROWS) + "\n")
+        path.write_text(header + events.table(sort_by=sort, row_limit=ROWS, max_name_column_width=NAME_WIDTH)
+                        + "\n\n" + most_launched(events, n, "self_device_time_total" if cuda else "self_cpu_time_total"))
+        trace = self.out_dir / f"rank{self.rank}_steps{first}-{last}.trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
         return path
+
+
+def most_launched(events: Any, steps: int, time_key: str) -> str:
+    """The :data:`LAUNCH_ROWS` operators and kernels with the most calls per step, as text lines: calls per step,
+    ``time_key`` (microseconds in ``events``) as milliseconds per step, the name.
+
+    Args:
+        events: ``profile.key_averages()``.
+        steps: optimizer steps the profile covered (> 0).
+        time_key: ``self_device_time_total`` (a GPU run) or ``self_cpu_time_total``.
+    """
+    rows = sorted(events, key=lambda e: e.count, reverse=True)[:LAUNCH_ROWS]
+    unit = "device" if "device" in time_key else "host"
+    lines = [f"most calls per step (self {unit} ms per step, then the name):"]
+    lines += [f"{e.count / steps:10.1f}  {getattr(e, time_key, 0) / 1e3 / steps:9.3f} ms  {e.key[:NAME_WIDTH]}"
+              for e in rows]
+    return "\n".join(lines) + "\n"
