@@ -99,6 +99,20 @@ def test_the_data_path_checks_ids_on_the_host_and_marks_the_batch():
         data_io.to_device(_batch([1, 2, 3], [2, -7, -100]), torch.device("cpu"), vocab)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_batch_reaches_the_gpu_from_page_locked_memory():
+    """A copy from pageable memory may make the driver wait for the stream's queued work (the previous step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = _batch(list(range(8192)), list(range(1, 8192)) + [-100])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = data_io.to_device(batch, torch.device("cuda"), 8192)
+        torch.cuda.synchronize()
+    copies = [e.key for e in prof.key_averages() if e.key.startswith("Memcpy HtoD")]
+    assert len(copies) >= 1 and not any("Pageable" in k for k in copies), copies
+    assert out.tokens.is_cuda and torch.equal(out.tokens.cpu(), batch.tokens) and out.ids_checked
+
+
 def test_the_model_skips_its_own_id_check_only_for_a_checked_batch(monkeypatch):
     args = ModelArgs(vocab_size=64, dim=32, n_layers=1, n_mtp_layers=0, compress_ratios=(0,), n_heads=2,
                      head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, window_size=8,
