@@ -4,16 +4,16 @@ CPython runs a full (generation 2) collection when enough objects have survived 
 tracked object, and a training process holds many (the model, the optimizer state's Python side, and with
 ``compile.enable`` dynamo's caches, FX graphs and inductor's kernels). On the CPU, a 60-step run of
 recipes/tiny_cpu.yaml had 7 full collections of up to 240 ms (mean 128 ms; ``gc.callbacks``). With
-``compile.cuda_graph`` a step's host work is a few ms, so such a pause is a slow step: the H200 product run of
-recipes/bench_h200.yaml showed logging intervals of 29,600-40,800 tokens/s among 55,000-57,000 about every 20
-steps (benchmarks/results/product_run_h200_2026-12-02_compiled_graph.log). Across ranks, one rank's pause
-stalls the collectives of all.
+``compile.cuda_graph`` a step's host work is a few ms, so such a pause can be a slow step, and across ranks one
+rank's pause stalls the collectives of all. (The slow logging intervals of the H200 product run once put down to
+it were padded steps: with ``data.packing: fill_rows`` and automatic collection they were gone; docs/training.md
+"Garbage collection".)
 
 With ``gc_interval_steps`` > 0 the job turns automatic collection off while it trains, collects the young
 generations (``gc.collect(1)``: the objects of the last steps, a few ms) every ``gc_interval_steps`` steps, and
 runs a full collection where the job is not timing steps: at its start, at each stage end (before the held-out
 evaluation) and before a checkpoint (the same policy as torchtitan's ``training.gc_freq``). ``0``, the default,
-leaves Python's automatic collection on until a GPU run shows that the schedule removes the slow steps.
+leaves Python's automatic collection on: no GPU run has shown a step that the schedule makes faster.
 (A dynamo failure once blamed on it came from test order: ``parallelize`` now resets dynamo before compiling.)
 """
 
