@@ -7,10 +7,13 @@
     python benchmarks/train_step.py --phases sparse --profile $OUT/prof   # trace + top kernels + CPU vs GPU
     python benchmarks/train_step.py --phases sparse --sync-trace         # where the step waits on the GPU
     python benchmarks/train_step.py --compile --cuda-graph               # the whole step as one CUDA graph
+    python benchmarks/train_step.py --compile --cuda-graph --fp32-params # float32 parameters under bf16 autocast
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
-1 shared, mHC 4, vocab 129280), bf16 parameters (hc_*, ape, sinks FP32-pinned), fused AdamW.
+1 shared, mHC 4, vocab 129280), bf16 parameters (hc_*, ape, sinks FP32-pinned), fused AdamW; with
+``--fp32-params`` float32 parameters under bf16 autocast, as ``v4launch run`` trains with precision.dtype bf16
+(its fused AdamW then steps float32 parameters, and each compiled block casts its weights every step).
 One step = forward + backward + optimizer step + router-bias update, on ``--tokens`` tokens
 packed as segments of ``--seg``. Paths: ``reference`` (the attention in plain PyTorch) and
 ``kernels`` (the model's own dispatch with ``kernel_backend="triton"``: the attention, indexer and KL
@@ -44,6 +47,7 @@ error of all gradients against the truth; a kernel path passes when neither erro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -148,8 +152,11 @@ def total_loss(out):
                              for k, v in out.aux_losses.items())
 
 
-def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int = 3):
+def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int = 3, autocast: bool = False):
     """One training step (forward, backward, fused AdamW, router-bias update) as a callable.
+
+    ``autocast``: the forward under bf16 autocast (the model's parameters float32: ``--fp32-params``, the product's
+    precision), instead of a model whose parameters are bf16 themselves (the default).
 
     ``cuda_graph``: the whole step captured once in a CUDA graph and replayed (no host work per step). The
     batch's tables (ids checked, the pack, RoPE and compress plans) are built once outside the graph with
@@ -161,8 +168,12 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True,
                             capturable=cuda_graph)
 
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+
     def train_step():
-        total_loss(model(tokens, cu, max_seqlen, labels)).backward()
+        with amp():
+            loss = total_loss(model(tokens, cu, max_seqlen, labels))
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_router_bias(1e-3)
@@ -171,7 +182,9 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
     ctx = model.batch_context(tokens, cu, max_seqlen, labels)
 
     def captured_step():
-        total_loss(model.forward_in(ctx, tokens, labels)).backward()
+        with amp():
+            loss = total_loss(model.forward_in(ctx, tokens, labels))
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)  # the captured backward then writes the gradients, never adds to them
         model.update_router_bias(1e-3)
@@ -202,19 +215,20 @@ def host_ms(step, reps: int) -> float:
 
 # ----------------------------------------------------------------------------------- measuring
 def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
-    """One (phase, path) row: a fresh bf16 model, warm-up steps, then the timed steps."""
+    """One (phase, path) row: a fresh bf16 model (float32 under bf16 autocast with ``--fp32-params``), warm-up
+    steps, then the timed steps."""
     args = make_args()
     batch = make_batch(args, a.tokens, a.seg, a.cu_on_device)
     torch._dynamo.reset()
-    model = use_path(build_model(args, phase, torch.bfloat16), path)
+    model = use_path(build_model(args, phase, torch.float32 if a.fp32_params else torch.bfloat16), path)
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
-    step = None if a.cuda_graph else make_step(model, batch)
+    step = None if a.cuda_graph else make_step(model, batch, autocast=a.fp32_params)
     try:
         if step is None:  # capturing runs the graph warm-up steps itself
             try:
-                step = make_step(model, batch, cuda_graph=True)
+                step = make_step(model, batch, cuda_graph=True, autocast=a.fp32_params)
             except RuntimeError as e:  # something in the step cannot be captured: say what, keep the other rows
                 return dict(phase=phase, path=path, error=f"CUDA graph capture failed: {str(e)[:300]}")
         t0 = time.perf_counter()
@@ -228,7 +242,7 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     except torch.OutOfMemoryError as e:
         return dict(phase=phase, path=path, error=f"OOM {str(e)[:80]}")
     tf = flop / ms / 1e9
-    row = dict(phase=phase, path=path, ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
+    row = dict(phase=phase, path=path, params="fp32+autocast" if a.fp32_params else "bf16", ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
                mfu_sustained=tf / peaks[0], mfu_burst=tf / peaks[1], mfu_datasheet=tf / 989,
                peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)
     if a.profile and path == a.paths.split(",")[-1]:
@@ -368,6 +382,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (compile.compile_blocks)")
     ap.add_argument("--cuda-graph", action="store_true", help="capture the whole step in one CUDA graph and replay "
                     "it (the benchmark's batch is fixed; see make_step)")
+    ap.add_argument("--fp32-params", action="store_true", help="float32 parameters, the forward under bf16 autocast "
+                    "(the product's precision: float32 AdamW and a cast per weight use); default: bf16 parameters")
     ap.add_argument("--no-wide-gemm", action="store_true")
     ap.add_argument("--no-fused-ce", action="store_true")
     ap.add_argument("--no-fused-mhc", action="store_true")
