@@ -104,13 +104,23 @@ def test_the_batch_reaches_the_gpu_from_page_locked_memory():
     """A copy from pageable memory may make the driver wait for the stream's queued work (the previous step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = _batch(list(range(8192)), list(range(1, 8192)) + [-100])
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_mtp_layers=0, compress_ratios=(0, 4), n_heads=2,
+                     head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, window_size=8,
+                     index_n_heads=2, index_head_dim=16, index_topk=4, n_routed_experts=4, n_activated_experts=2,
+                     moe_inter_dim=16, n_hash_layers=0, hc_mult=2)
+    model = V4Model(args, "dense").cuda()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    tokens = torch.randint(0, 64, (8192,), generator=gen)
+    batch = _batch(tokens.tolist(), tokens[1:].tolist() + [-100])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        out = data_io.to_device(batch, torch.device("cuda"), 8192)
+        out = data_io.to_device(batch, torch.device("cuda"), 64)
+        model.batch_context(out.tokens, out.cu_seqlens, out.max_seqlen, out.labels, static_seqlen=8192,
+                            ids_checked=out.ids_checked)  # copies cu_seqlens itself
         torch.cuda.synchronize()
     copies = [e.key for e in prof.key_averages() if e.key.startswith("Memcpy HtoD")]
     assert len(copies) >= 1 and not any("Pageable" in k for k in copies), copies
     assert out.tokens.is_cuda and torch.equal(out.tokens.cpu(), batch.tokens) and out.ids_checked
+    assert out.cu_seqlens.device.type == "cpu" and out.cu_seqlens.is_pinned()
 
 
 def test_the_model_skips_its_own_id_check_only_for_a_checked_batch(monkeypatch):

@@ -75,7 +75,8 @@ def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
     device: that check reads the device back, which makes the host wait for the previous step's queued work
     before it can build this batch's tables (the GPU then idles while the host works).
     ``cu_seqlens`` stays on the CPU: the model reads the boundaries on the host (``packing.make_pack``),
-    so a device copy would cost a synchronisation per micro-batch. Tokens and labels go through page-locked
+    so a device copy would cost a synchronisation per micro-batch; it is page-locked, for the model's own copy
+    of it. Tokens and labels go through page-locked
     host memory (``pin_memory``, PyTorch's caching host allocator), so their ``non_blocking`` copies are
     queued behind the GPU's work and the host goes on at once; a copy from pageable memory may make the
     driver wait for the stream (the previous step) first, and the GPU then idles while the host builds
@@ -96,7 +97,8 @@ def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
     if device.type == "cpu":
         return dataclasses.replace(batch, ids_checked=True)
     return dataclasses.replace(batch, tokens=_queued_copy(batch.tokens, device),
-                               labels=_queued_copy(batch.labels, device), ids_checked=True)
+                               labels=_queued_copy(batch.labels, device), ids_checked=True,
+                               cu_seqlens=batch.cu_seqlens if batch.cu_seqlens.is_pinned() else batch.cu_seqlens.pin_memory())
 
 
 def _queued_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
