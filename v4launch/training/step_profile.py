@@ -204,7 +204,7 @@ def most_launched(events: Any, steps: int, time_key: str) -> str:
     """
     rows = sorted(events, key=lambda e: e.count, reverse=True)[:LAUNCH_ROWS]
     unit = "device" if "device" in time_key else "host"
-    lines = [f"most calls per step (self {unit} ms per step, then the name):"]
+    lines = [f"most calls per step (calls per step, averaged; self {unit} ms per step; the name):"]
     lines += [f"{e.count / steps:10.1f}  {getattr(e, time_key, 0) / 1e3 / steps:9.3f} ms  {e.key[:NAME_WIDTH]}"
               for e in rows]
     return "\n".join(lines) + "\n"
