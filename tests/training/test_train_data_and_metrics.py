@@ -31,6 +31,31 @@ def test_bad_documents_train_without_error(workspace, new_run):
     assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in recs.values())
 
 
+def test_full_rows_leave_a_step_short_only_where_the_data_epoch_ends(workspace, new_run):
+    """data.packing=fill_rows on three short documents (an epoch every few steps): every step holds
+    global_batch x seq_len real tokens except one holding an epoch's end, which data_epoch marks."""
+    text = workspace / "three"
+    text.mkdir()
+    for i, n in enumerate((70, 95, 121)):
+        (text / f"doc{i}.txt").write_text("".join(chr(97 + (i * 7 + k) % 26) for k in range(n)))
+    run = new_run({"data": {"paths": [str(text)], "packing": "fill_rows", "validation_fraction": 0.0},
+                   "logging": {"interval_steps": 1},
+                   "curriculum": {"stages": [{"name": "dense", "seq_len": 64, "phase": "dense", "steps": 10}]}})
+    train(run, progress=False)
+    full = load_run(run).recipe.parallel.global_batch_size * 64
+    recs = train_records(run)
+    steps = sorted(recs)
+    epochs = [recs[s]["data_epoch"] for s in steps]
+    got = [recs[s]["tokens"] - (recs[s - 1]["tokens"] if s > 1 else 0) for s in steps]
+    assert epochs[0] == 0 and epochs == sorted(epochs) and epochs[-1] >= 2, epochs
+    short = [i for i, n in enumerate(got) if n < full]
+    assert short and max(got) == full, got
+    for i in short:  # its last row ends epoch e: the next step starts e + 1, or its own second row already did
+        ends_here = i + 1 < len(epochs) and epochs[i + 1] > epochs[i]
+        began_here = i > 0 and epochs[i] > epochs[i - 1]
+        assert ends_here or began_here or i == len(epochs) - 1, (i, got, epochs)
+
+
 def test_metrics_hold_every_aux_loss_the_model_returns(new_run):
     run = new_run()
     train(run, progress=False)

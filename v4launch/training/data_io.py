@@ -122,6 +122,13 @@ def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:
     return dataclasses.replace(batch, tokens=local.tokens, labels=local.labels)
 
 
+def newest_epoch(batches: list[Any]) -> int | None:
+    """The newest data epoch (0-based) among the rows of this rank's ``batches`` (``PackedBatch.segments``:
+    ``(epoch, document, offset, length)``), None when they hold no real token. Rows never mix epochs, so a step
+    short of a full step's real tokens under ``data.packing: fill_rows`` holds an epoch's end."""
+    return max((seg[0] for mb in batches for seg in (getattr(mb, "segments", None) or ())), default=None)
+
+
 def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: Layout, boundary: int,
                   vocab_size: int) -> list[Any]:
     """The ``accum`` micro-batches of one step on this rank (its CP slice of each), ids checked (:func:`to_device`)."""

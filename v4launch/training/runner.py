@@ -22,7 +22,7 @@ from ..model import V4Model
 from ..model.compile import toolchain_problem
 from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
 from ..validators.derived import boundary_width
-from .data_io import eval_batches, micro_batches, stage_loader
+from .data_io import eval_batches, micro_batches, newest_epoch, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
 from .gc_schedule import GarbageCollection
 from .graph_step import CapturedStep, stage_graph_plan
@@ -398,7 +398,8 @@ class Runner:
         p = self.progress
         p.step, p.step_in_stage = p.step + 1, p.step_in_stage + 1
         rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
-               "step": p.step, "dp": plan.dp, "cp": plan.cp, "pp": plan.pp, "lr": lr, "muon_lr": muon_lr,
+               "step": p.step, "data_epoch": newest_epoch(batches), "dp": plan.dp, "cp": plan.cp, "pp": plan.pp,
+               "lr": lr, "muon_lr": muon_lr,
                "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp}}
         interval = self.recipe.logging.interval_steps
         show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
