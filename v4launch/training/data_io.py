@@ -75,13 +75,12 @@ def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
     device: that check reads the device back, which makes the host wait for the previous step's queued work
     before it can build this batch's tables (the GPU then idles while the host works).
     ``cu_seqlens`` stays on the CPU: the model reads the boundaries on the host (``packing.make_pack``),
-    so a device copy would cost a synchronisation per micro-batch; it is page-locked, for the model's own copy
-    of it. Tokens and labels go through page-locked
-    host memory (``pin_memory``, PyTorch's caching host allocator), so their ``non_blocking`` copies are
-    queued behind the GPU's work and the host goes on at once; a copy from pageable memory may make the
-    driver wait for the stream (the previous step) first, and the GPU then idles while the host builds
-    this step (the H200 product profile of recipes/bench_h200.yaml's sparse stage: 155 ms of wall per step
-    against ~133 ms of kernels).
+    so a device copy would cost a synchronisation per micro-batch. On a GPU all three are page-locked
+    (``pin_memory``, PyTorch's caching host allocator), so the ``non_blocking`` copies of tokens and labels
+    here, and the model's own copy of ``cu_seqlens``, are queued behind the GPU's work and the host goes on at
+    once; a copy from pageable memory may make the driver wait for the stream (the previous step) first, and
+    the GPU then idles while the host builds this step (the H200 product profile of recipes/bench_h200.yaml's
+    sparse stage: 155 ms of wall per step against ~133 ms of kernels).
 
     Raises:
         UsageError: an id out of range (the tensor, the range found, the vocabulary and the fix): the data was
@@ -96,14 +95,14 @@ def to_device(batch: Any, device: torch.device, vocab_size: int) -> Any:
                               "largest id + 1), or prepare the data again with the recipe's data.tokenizer") from None
     if device.type == "cpu":
         return dataclasses.replace(batch, ids_checked=True)
-    return dataclasses.replace(batch, tokens=_queued_copy(batch.tokens, device),
-                               labels=_queued_copy(batch.labels, device), ids_checked=True,
-                               cu_seqlens=batch.cu_seqlens if batch.cu_seqlens.is_pinned() else batch.cu_seqlens.pin_memory())
+    return dataclasses.replace(batch, tokens=_pinned(batch.tokens).to(device, non_blocking=True),
+                               labels=_pinned(batch.labels).to(device, non_blocking=True),
+                               cu_seqlens=_pinned(batch.cu_seqlens), ids_checked=True)
 
 
-def _queued_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (CPU) copied to the GPU ``device`` from page-locked memory: queued, never waited for."""
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor ``t`` in page-locked memory (itself when it is already there)."""
+    return t if t.is_pinned() else t.pin_memory()
 
 
 def cp_slice(batch: Any, layout: Layout, boundary: int) -> Any:

@@ -14,9 +14,7 @@ and is not frozen into the run's recipe.
 from __future__ import annotations
 
 import collections
-import gzip
 import os
-import shutil
 import time
 import traceback
 import warnings
@@ -185,11 +183,7 @@ class StepProfiler:
                   f"host (self CPU, GPU waits excluded) {cpu:.1f} ms/step, device (self CUDA) {device}\n\n")
         path.write_text(header + events.table(sort_by=sort, row_limit=ROWS, max_name_column_width=NAME_WIDTH)
                         + "\n\n" + most_launched(events, n, "self_device_time_total" if cuda else "self_cpu_time_total"))
-        trace = self.out_dir / f"rank{self.rank}_steps{first}-{last}.trace.json"
-        prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+        prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}_steps{first}-{last}.trace.json.gz"))  # gzipped by torch
         return path
 
 
