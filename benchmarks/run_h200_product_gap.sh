@@ -4,14 +4,18 @@
 # parameters under bf16 autocast, as `v4launch run` trains), then recipes/bench_h200.yaml through `v4launch run`
 # (40 dense + 2 warm-up + 40 sparse steps, logging every step) profiled over PROFILE (default 70:72, sparse).
 # Writes under $OUT: sparse/train_step.{txt,json}, bench_h200_run.log, metrics.jsonl and the profile's table and
-# Chrome trace. STEP_TIMEOUT (default 300) and RUN_TIMEOUT (default 300) bound the two parts.
+# Chrome trace. STEP_TIMEOUT (default 300) and RUN_TIMEOUT (default 300) bound the two parts; PARTS (default
+# "bench product") picks them; DENSE / WARMUP / SPARSE (default 40 / 2 / 40) are the stages' steps.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
-PHASES=sparse STEP_TIMEOUT=${STEP_TIMEOUT:-300} EXTRA="--cuda-graph --fp32-params" bash "$REPO/benchmarks/run_h200_phases.sh" \
+PARTS=${PARTS:-"bench product"}
+[[ " $PARTS " == *" bench "* ]] && PHASES=sparse STEP_TIMEOUT=${STEP_TIMEOUT:-300} EXTRA="--cuda-graph --fp32-params" bash "$REPO/benchmarks/run_h200_phases.sh" \
     | grep -vE "^(GPU|torch) "
+[[ " $PARTS " == *" product "* ]] || exit 0
 mkdir -p /tmp/ws/.v4launch && cd /tmp/ws
 V4LAUNCH_PROFILE_STEPS=${PROFILE:-70:72} timeout ${RUN_TIMEOUT:-300} python3 -m v4launch run "$REPO/recipes/bench_h200.yaml" \
-    --no-progress curriculum.stages.0.steps=40 curriculum.stages.1.steps=2 curriculum.stages.2.steps=40 \
+    --no-progress curriculum.stages.0.steps=${DENSE:-40} \
+    curriculum.stages.1.steps=${WARMUP:-2} curriculum.stages.2.steps=${SPARSE:-40} \
     logging.interval_steps=1 ${EXTRA:-} > $OUT/bench_h200_run.log 2>&1
 echo "bench_h200 exit $?"
 cp runs/*/metrics.jsonl runs/*/profile/* $OUT/ 2>/dev/null

@@ -242,7 +242,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     except torch.OutOfMemoryError as e:
         return dict(phase=phase, path=path, error=f"OOM {str(e)[:80]}")
     tf = flop / ms / 1e9
-    row = dict(phase=phase, path=path, params="fp32+autocast" if a.fp32_params else "bf16", ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
+    row = dict(phase=phase, path=path, param_dtype="fp32+autocast" if a.fp32_params else "bf16",
+               ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
                mfu_sustained=tf / peaks[0], mfu_burst=tf / peaks[1], mfu_datasheet=tf / 989,
                peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)
     if a.profile and path == a.paths.split(",")[-1]:
@@ -343,14 +344,15 @@ def parity(a) -> list[dict]:
 def print_table(rows: list[dict], peaks: tuple[float, float]) -> None:
     print(f"\nbf16 matmul peak measured here: sustained {peaks[0]:.0f} TFLOP/s, burst {peaks[1]:.0f} TFLOP/s")
     head = f"{'phase':7s} {'path':9s} {'ms/step':>8s} {'host ms':>8s} {'tokens/s':>9s} {'TFLOP/s':>8s} " \
-           f"{'MFU sust':>8s} {'MFU burst':>9s} {'peak GB':>8s}"
+           f"{'MFU sust':>8s} {'MFU burst':>9s} {'peak GB':>8s} {'params':>13s}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         if "error" in r:
             print(f"{r['phase']:7s} {r['path']:9s} {r['error']}")
             continue
         print(f"{r['phase']:7s} {r['path']:9s} {r['ms']:8.1f} {r['host_ms']:8.1f} {r['tok_s']:9.0f} "
-              f"{r['tflops']:8.1f} {100 * r['mfu_sustained']:7.1f}% {100 * r['mfu_burst']:8.1f}% {r['peak_gb']:8.1f}")
+              f"{r['tflops']:8.1f} {100 * r['mfu_sustained']:7.1f}% {100 * r['mfu_burst']:8.1f}% {r['peak_gb']:8.1f} "
+              f"{r['param_dtype']:>13s}")
 
 
 def print_parity(rows: list[dict]) -> None:
