@@ -151,8 +151,9 @@ class QueuedRead:
     On the CPU the values are there at once.
 
     ``ready_at``: ``time.monotonic()`` when the values were known to be on the host: at construction on the CPU
-    (the work that made them ran synchronously), when :meth:`values` returned from the event on a GPU (an upper
-    bound: the copy may have landed earlier); None before that."""
+    (the work that made them ran synchronously); on a GPU when :meth:`poll` first found the event complete or
+    else when :meth:`values` returned from it (upper bounds: the copy may have landed earlier); None before
+    that."""
 
     def __init__(self, values: dict[str, torch.Tensor]) -> None:
         self.names = list(values)
@@ -172,11 +173,19 @@ class QueuedRead:
             self.host = stacked
             self.ready_at = time.monotonic()
 
+    def poll(self, now: float) -> bool:
+        """Whether the values are on the host, without waiting (``cudaEventQuery``); the first time they are,
+        ``ready_at`` becomes ``now``. A caller that polls before queueing more work bounds the end of a step
+        the host outran by the moment it looked, instead of by its later read."""
+        if self.ready_at is None and self.event is not None and self.event.query():
+            self.ready_at = now
+        return self.ready_at is not None or self.host is None
+
     def values(self) -> dict[str, float]:
         """name -> float; waits for the device work queued before this read was, and for nothing queued after."""
         if self.host is None:
             return {}
-        if self.event is not None:
+        if self.event is not None and self.ready_at is None:
             self.event.synchronize()
             self.ready_at = time.monotonic()
         return dict(zip(self.names, self.host.tolist()))

@@ -80,7 +80,9 @@ def make_pack(tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -
         raise _bad("cu_seqlens", list(cu_host), "must be strictly increasing (no empty segment)",
                    "drop empty segments from the pack")
     longest = max(b - a for a, b in zip(cu_host, cu_host[1:]))
-    cu = cu_seqlens.to(device=tokens.device, dtype=torch.int64, non_blocking=True)
+    # copied in its own dtype, then widened on the device: a dtype change on the host would copy from a fresh
+    # pageable tensor instead of the (page-locked) one the data path hands over
+    cu = cu_seqlens.to(device=tokens.device, non_blocking=True).to(torch.int64)
     lengths = cu[1:] - cu[:-1]
     try:
         max_seqlen = operator.index(max_seqlen)

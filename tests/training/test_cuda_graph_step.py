@@ -1,6 +1,8 @@
 """compile.cuda_graph (training/graph_step.py) on a GPU: the captured step's losses and gradients equal the eager
 step's, micro-batch after micro-batch of fresh random packings (other segment counts, other compressed-entry
-counts: one graph for all), with gradient accumulation and a loss weight that changes between steps.
+counts: one graph for all), with gradient accumulation and a loss weight that changes between steps. With one
+micro-batch per step the graph writes the gradients (no zeroing between steps: a replay that added would double
+them); the stage's end drops them, and a gradient replaced after the capture stops the next replay.
 
 GPU only (CUDA graphs); run by benchmarks/run_h200_tests.sh. The shapes a replay reuses are checked on the
 CPU in tests/model/test_static_batch.py.
@@ -18,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from v4_helpers import build, fresh_gen, packed_batch, tiny_args  # noqa: E402
 
-from v4launch.training.graph_step import CapturedStep  # noqa: E402
+from v4launch.training.graph_step import CapturedStep, CaptureError  # noqa: E402
 from v4launch.training.step import LossWeights, accumulate  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -43,8 +45,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("phase,compiled", [("dense", False), ("sparse", False), ("sparse", True)])
-def test_replays_equal_the_eager_step(phase, compiled):
+@pytest.mark.parametrize("phase,compiled,accum", [("dense", False, 2), ("dense", False, 1), ("sparse", False, 2),
+                                                   ("sparse", True, 1)])
+def test_replays_equal_the_eager_step(phase, compiled, accum):
     """float32 parameters under bf16 autocast (the job's precision; the float32 experts read their row counts on
     the host, rule V4-CUDA-GRAPH refuses them); ``compiled``: the blocks under torch.compile, captured with
     them (a block compiled again inside the capture fails it: the warm-up must have met every guard)."""
@@ -62,7 +65,6 @@ def test_replays_equal_the_eager_step(phase, compiled):
 
         torch._dynamo.reset()
         compile_blocks(model)
-    accum = 2
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     captured = CapturedStep(model, seq_len=SEQ, accum=accum, autocast=autocast)
     tol = 2e-2  # bf16, and the Triton backward adds with atomics: the order differs run to run
@@ -75,9 +77,10 @@ def test_replays_equal_the_eager_step(phase, compiled):
         want = _grads(model)
         for m, c in zip([m for m in model.modules() if hasattr(m, "expert_counts")], counts):
             m.expert_counts.copy_(c)  # the eager pass counted its routing; the replay must count the same
-        model.zero_grad(set_to_none=False)
+        if not captured.writes_grads:  # else the eager gradients stay: the replay must overwrite, not add to them
+            model.zero_grad(set_to_none=False)
         got, _, _ = accumulate(model, batches, accum=accum, weights=weights, autocast=autocast, captured=captured)
-        assert captured.graph is not None
+        assert captured.graph is not None and captured.writes_grads == (accum == 1)
         assert got.keys() == eager.keys()
         for name in eager:
             torch.testing.assert_close(got[name], eager[name], rtol=tol, atol=tol / 10, msg=lambda m: f"{name}: {m}")
@@ -91,3 +94,10 @@ def test_replays_equal_the_eager_step(phase, compiled):
         routed = [m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")]
         assert all(int(r.sum()) == int(c.sum()) + accum * ROWS * SEQ * args.n_activated_experts
                    for r, c in zip(routed, counts) if r.numel())
+    if accum == 1:  # a gradient dropped after the capture would go stale: the replay refuses
+        name, param = next((n, p) for n, p in model.named_parameters() if p.grad is not None)
+        param.grad = None
+        with pytest.raises(CaptureError, match=name.replace(".", r"\.")):
+            accumulate(model, batches, accum=accum, weights=weights, autocast=autocast, captured=captured)
+    captured.release()  # the stage's end: the next stage's first backward starts from no gradient
+    assert all(p.grad is None for p in model.parameters())

@@ -14,9 +14,20 @@ boundary read stay on the host, outside the graph), copied into the captured one
 with the tokens and labels, and the graph replays.
 
 Around the graph, eagerly: the gradient reduction over data-parallel replicas, the clip, the optimizer and
-the router-bias update (``step.train_step``). Gradients accumulate in place into the ``.grad`` tensors the
-graph captured, so the step zeroes them in place (``Optimizers.zero_grad(set_to_none=False)``). The loss
-weights are device scalars filled before each replay (the MTP weight drops when the LR decays).
+the router-bias update (``step.train_step``). The ``.grad`` tensors are the graph's own:
+
+* one micro-batch per step (``accum == 1``): the capture starts with every ``.grad`` None, so the captured
+  backward allocates the gradients and writes them (autograd's first accumulation takes the gradient as it
+  is). Each replay overwrites them: no zeroing kernel after the step and no read-add-write per parameter in
+  the backward (on one H200, recipes/bench_h200.yaml: 934 float32 add kernels, 5.6 ms, and a 1.2 ms
+  zero_grad per sparse step, benchmarks/results/product_run_h200.md "2026-12-03 (2)").
+* several micro-batches: they accumulate in place into the ``.grad`` tensors the graph captured, so the step
+  zeroes them in place (``Optimizers.zero_grad(set_to_none=False)``).
+
+Nothing may replace those tensors while the stage runs (a replay would write where no parameter reads):
+each replay checks, and :meth:`CapturedStep.release` drops them when the stage ends, so that the next stage
+starts from no gradient. The loss weights are device scalars filled before each replay (the MTP weight
+drops when the LR decays).
 
 Stages that read the host inside the step (the warm-up's dense KL target; the reference and cudnn
 kernels) run eagerly: ``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule
@@ -68,6 +79,16 @@ class CapturedStep:
         self.tokens = self.labels = None
         self.weights: dict[str, torch.Tensor] | None = None
         self.outputs: dict[str, torch.Tensor] = {}
+        self.writes_grads = accum == 1
+        """The replay writes the gradients (one micro-batch per step): the step must not zero them."""
+        self._grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    def release(self) -> None:
+        """The stage's end: every parameter's ``.grad`` captured by the graph is dropped (None), so that the next
+        stage's first backward starts from no gradient (a written-gradient graph leaves the last step's there)."""
+        for p, _ in self._grads:
+            p.grad = None
+        self._grads = []
 
     def __call__(self, mb: Any, loss_weight: Callable[[str], float]) -> dict[str, torch.Tensor]:
         """Run micro-batch ``mb`` (``tokens`` / ``labels`` [T] on the GPU, ``cu_seqlens`` [N+1], ``max_seqlen``):
@@ -86,12 +107,28 @@ class CapturedStep:
             if mb.tokens.shape != self.tokens.shape:
                 raise ValueError(f"captured step: a micro-batch of {mb.tokens.numel()} tokens, the graph holds "
                                  f"{self.tokens.numel()}. Fix: one micro-batch size and seq_len per stage")
+            self._check_grads()
             self.ctx.load(ctx)
             self.tokens.copy_(mb.tokens, non_blocking=True)
             self.labels.copy_(mb.labels, non_blocking=True)
         self._fill_weights(loss_weight)
         self.graph.replay()
         return self.outputs
+
+    def _check_grads(self) -> None:
+        """Every parameter still holds the gradient tensor the graph writes (or adds) into.
+
+        Raises:
+            CaptureError: one was replaced or dropped since the capture (``zero_grad()`` with its default
+                ``set_to_none=True``, a reassignment): replaying would leave that parameter's gradient stale.
+        """
+        for p, g in self._grads:
+            if p.grad is not g:
+                name = next((n for n, q in self.model.named_parameters() if q is p), "?")
+                raise CaptureError(f"compile.cuda_graph: the gradient of {name} is no longer the tensor the "
+                                   "captured step writes into (it was replaced or set to None after the capture)",
+                                   hint="zero a captured step's gradients in place (zero_grad(set_to_none=False)) "
+                                        "and only where CapturedStep.writes_grads is false")
 
     def _fill_weights(self, loss_weight: Callable[[str], float]) -> None:
         for name, w in self.weights.items():
@@ -127,7 +164,9 @@ class CapturedStep:
             torch.cuda.current_stream().wait_stream(side)
             with torch.no_grad():  # the warm-ups' gradients and expert counts are not this step's
                 for p in self.model.parameters():
-                    if p.grad is not None:
+                    if self.writes_grads:
+                        p.grad = None  # the captured backward allocates and writes them
+                    elif p.grad is not None:
                         p.grad.zero_()
                 for c, k in zip(counts, kept):
                     c.copy_(k)
@@ -137,6 +176,7 @@ class CapturedStep:
             # capture do not invalidate it; this thread's own unsafe calls still fail it
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), no_compiling():
                 self.outputs = self._forward_backward(loss_weight)
+            self._grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
         except RuntimeError as exc:
             self.graph = None
             saved = ""

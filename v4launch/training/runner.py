@@ -267,7 +267,9 @@ class Runner:
     def _set_graph(self, plan: StagePlan) -> None:
         """``compile.cuda_graph``: a fresh captured step for the stage (captured at its first micro-batch), or
         none where the stage reads the host inside its step; the log says which and why."""
-        self.captured = None  # the previous stage's graph (its phase, kernels, shapes) goes
+        if self.captured is not None:  # the previous stage's graph (its phase, kernels, shapes) goes, with the
+            self.captured.release()  # gradients it owns: the next stage's first backward starts from none
+        self.captured = None
         use, text = stage_graph_plan(self.recipe, plan, self.model.kernels_for(self.info.device).name,
                                      self.info.device)
         if use:
@@ -389,6 +391,8 @@ class Runner:
         weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
         self.profiler.begin(self.progress.step + 1)
         t0 = time.monotonic()
+        if self._pending is not None:  # a step the host outran (it finished while the host was away) ended by now
+            self._pending[0].read.poll(t0)
         batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary, self.args.vocab_size)
         pending = queue_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
                              grad_clip=self.recipe.optimizer.grad_clip,
@@ -418,8 +422,11 @@ class Runner:
 
         ``step_time_s`` runs from the later of the step's start and the previous step's end to this step's end,
         the end being when its values were on the host (``QueuedRead.ready_at``: at the end of the queued work
-        on a CPU, where it runs synchronously; when the read returned on a GPU). With steps queued back to
-        back on a GPU, it is the interval between two steps' ends on the device."""
+        on a CPU, where it runs synchronously; on a GPU, when the read returned, or the start of the next
+        step's queueing if the step had finished by then, :meth:`_one_step` polls). With steps queued back to
+        back on a GPU, it is the interval between two steps' ends on the device; where the host is slower than
+        the device, the interval between two steps' starts on the host (so a stage's last step, read at once,
+        is not credited with only the device's tail of its work)."""
         if self._pending is None:
             return
         pending, rec, t0, show = self._pending

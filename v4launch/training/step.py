@@ -235,7 +235,8 @@ def queue_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         experts: the routed-expert parameters this EP rank holds (ep > 1): reduced over the edp group.
         sharded: the other parameters are FSDP2 DTensors whose gradients the backward already reduced.
         captured: the stage's ``graph_step.CapturedStep`` (``compile.cuda_graph``; pp = 1): the micro-batches
-            replay it, and the gradients are zeroed in place after the optimizer step (the graph owns them).
+            replay it; the graph owns the gradients: zeroed in place after the optimizer step where the micro-batches
+            add into them, left for the next replay to overwrite where it writes them (``writes_grads``).
     Raises:
         RuntimeError: the number of micro-batches is not ``accum``.
     """
@@ -259,7 +260,7 @@ def queue_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
     opt.step()
     if captured is None:
         opt.zero_grad()
-    else:  # the graph adds into these very tensors at the next replay
+    elif not captured.writes_grads:  # the graph adds into these very tensors at the next replay
         opt.zero_grad(set_to_none=False)
     group = layout.shard_group if layout is not None else None
     sum_tensors([m.expert_counts for m in model.modules() if hasattr(m, "expert_counts")], info, group)
