@@ -294,7 +294,8 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
     saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss"))
     grads_at_peak, grads_note = 4 * (n_dense + routed), "as the parameters, kept across micro-batches"
     if s.captured:
-        grads_note = "compile.cuda_graph: the graph's gradient tensors stay allocated, zeroed in place"
+        grads_note = ("compile.cuda_graph: the graph's gradient tensors stay allocated between replays"
+                      + (" (each replay writes them)" if s.accum == 1 else " (zeroed in place)"))
     elif p.pp == 1 and s.accum == 1:  # zeroed (None) every step: allocated while backward frees activations
         grads_at_peak = max(0, grads_at_peak - saved)
         grads_note = "one micro-batch per step: allocated as backward frees activations (beyond them)"
