@@ -20,10 +20,12 @@ def _steps(run_dir):
 
 
 def test_time_limit_checkpoints_requeues_and_finishes(workspace):
-    # 1-minute limit, USR2 30 s before it; the stand-in needs ~50 s for stage 0: time-limit requeues.
-    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=100", "slurm.time_min=1",
-                                   "slurm.signal_delay_s=30", "slurm.max_restarts=10"])
-    wait_for("the run to finish", lambda: finished(run_dir), 420, run_dir)
+    # 1-minute limit, USR2 45 s before it; the stand-in needs ~75 s for stage 0: time-limit requeues. Slurm checks
+    # time limits periodically (not at the second), so the signal lands some seconds after t = 15 s; with 30 s
+    # before the limit and a 50 s stage 0, a fresh-clone run once finished stage 0 before any USR2 came.
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=150", "slurm.time_min=1",
+                                   "slurm.signal_delay_s=45", "slurm.max_restarts=10"])
+    wait_for("the run to finish", lambda: finished(run_dir), 600, run_dir)
     assert events(run_dir, "completed"), diagnostics(run_dir)
     # Some requeue is a checkpointed time-limit stop. Not necessarily the first: on a loaded machine the
     # job's start-up can outlast the 30 s before USR2 (Slurm counts from the allocation), and a signal
@@ -31,7 +33,7 @@ def test_time_limit_checkpoints_requeues_and_finishes(workspace):
     requeues = events(run_dir, "requeue")
     assert any("time limit (USR2)" in r["detail"] for r in requeues), diagnostics(run_dir)
     steps = _steps(run_dir)
-    assert sorted(set(steps)) == list(range(1, 105))  # nothing skipped
+    assert sorted(set(steps)) == list(range(1, 155))  # nothing skipped
     for stop in events(run_dir, "signal"):  # checkpointed at the stop: nothing lost, nothing repeated
         assert steps.count(stop["step"]) == 1 and steps.count(stop["step"] + 1) <= 1, stop
     assert len(events(run_dir, "submit")) == 3  # one job per stage
