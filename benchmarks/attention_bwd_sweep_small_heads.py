@@ -2,11 +2,16 @@
 
     python benchmarks/attention_bwd_sweep_small_heads.py --heads 16 --out $OUT
     python benchmarks/attention_bwd_sweep_small_heads.py --heads 16 --two-pass --out $OUT
+    python benchmarks/attention_bwd_sweep_small_heads.py --heads 16 --query-blocks --out $OUT
 
 Single-pass (default): the kernel ``triton_attention._sparse_bwd`` with ``CONFIGS["bwd"]["lp_h16"]`` (<= 16
 heads) or ``["lp"]``. ``--two-pass``: ``triton_attention_bwd`` with one head block of 16 / 32 heads
 (``head_block``) for each pass-1 config in ``DKV_CANDIDATES`` and pass-2 config in ``DQ_CANDIDATES``, and the
-single-pass kernel's current config as the first row, so the table says which backward to dispatch. This
+single-pass kernel's current config as the first row, so the table says which backward to dispatch.
+``--query-blocks``: ``triton_attention_query_blocks`` (blocks of 64 / H queries, range-only layers) for each
+config in ``QUERY_BLOCK_CONFIGS`` against the single-pass kernel on the layers whose candidates are ranges
+alone: HCA and SWA in every phase, CSA in the dense phase (``csa_dense``: the window and every visible ratio-4
+entry), with the saving per sparse step (3 HCA + 2 SWA) and per dense step (4 CSA + 3 HCA + 2 SWA). This
 times it at the benchmark model's layers (benchmarks/train_step.py: 8,192 tokens as 2 x 4,096, D 512,
 window 128; CSA: top-512 of the compress-ratio-4 entries; HCA: every ratio-128 entry; SWA: the window
 alone) for each candidate config, weighted by the layer counts (4 CSA, 3 HCA, 2 SWA with the MTP
@@ -32,7 +37,7 @@ LAYERS = {"csa": 4, "hca": 3, "swa": 2}  # the benchmark model's layers, MTP blo
 def layer_problem(kind: str, T: int, seg: int, H: int, D: int, window: int, topk: int, gen: torch.Generator,
                   device: str = "cuda"):
     """q [T, H, D], kv [T + C, D] (window rows, then compressed entries), idx [T, K] | None, ranges [T, 4]."""
-    ratio = {"csa": 4, "hca": 128, "swa": 0}[kind]
+    ratio = {"csa": 4, "csa_dense": 4, "hca": 128, "swa": 0}[kind]
     n_seg = T // seg
     C = n_seg * (seg // ratio) if ratio else 0
     t = torch.arange(T)
@@ -43,7 +48,7 @@ def layer_problem(kind: str, T: int, seg: int, H: int, D: int, window: int, topk
     if ratio:
         first = T + (t // seg) * (seg // ratio)  # this segment's first compressed entry (kv row)
         visible = (pos + 1) // ratio
-        if kind == "hca":
+        if kind in ("hca", "csa_dense"):  # every visible entry as a range (CSA's dense phase selects no top-k)
             ranges[:, 2], ranges[:, 3] = first, first + visible
         else:
             K = topk
@@ -125,6 +130,58 @@ def sweep_two_pass(a, problems: dict, truth: dict, current: dict, scale: float, 
                   indent=1)
 
 
+QUERY_BLOCK_CONFIGS = [dict(BN=BN, NP=NP, num_warps=w, num_stages=1, BNQ=BNQ, dq_warps=4, dq_stages=2)
+                       for BN, NP, w, BNQ in ((64, 4, 8, 64), (64, 4, 4, 64), (128, 4, 8, 64), (64, 2, 8, 64),
+                                              (64, 4, 8, 32))]
+
+
+def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
+    """``--query-blocks``: the single-pass kernel, then the query-block backward at each config, on the range-only
+    layers; prints the table, writes attention_bwd_query_blocks_h<H>.json."""
+    from v4launch.model.kernels import triton_attention_query_blocks as tqb
+
+    kinds, problems, bounds = ("hca", "swa", "csa_dense"), {}, {}
+    for kind in kinds:
+        q, kv, _, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)
+        out, lse = ta.attention_fwd(q, kv, None, torch.zeros(a.heads, device="cuda"), scale, ranges)
+        problems[kind] = (q, kv, ranges, out, lse, torch.randn_like(out))
+        ratio = {"hca": 128, "swa": 0, "csa_dense": 4}[kind]
+        bounds[kind] = (128, a.seg // ratio if ratio else 0)  # the window; a segment's visible entries at most
+    truth = {k: ta.attention_bwd_single_pass(q, kv, None, r, o, l, g, scale) for k, (q, kv, r, o, l, g) in
+             problems.items()}
+    saved, rows = dict(tqb.CONFIG), []
+    single = {k: timed(lambda p=p: ta.attention_bwd_single_pass(p[0], p[1], None, *p[2:], scale), a.reps)
+              for k, p in problems.items()}
+    rows.append(dict(kernel="single-pass", cfg=None, ms=single, err=0.0))
+    for cfg in QUERY_BLOCK_CONFIGS:
+        tqb.CONFIG.update(cfg)
+        row = dict(kernel="query-blocks", cfg=cfg, ms={}, err=0.0)
+        try:
+            for k, p in problems.items():
+                dq, dkv, _ = tqb.attention_bwd(*p, scale, bounds[k])
+                row["err"] = max(row["err"], rel(dq, truth[k][0]), rel(dkv, truth[k][1]))
+                row["ms"][k] = timed(lambda p=p, k=k: tqb.attention_bwd(*p, scale, bounds[k]), a.reps)
+        except Exception as e:  # out of shared memory / registers: reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    tqb.CONFIG.update(saved)
+    for r in rows:
+        if len(r["ms"]) == len(kinds):
+            r["sparse_saving_ms"] = sum(n * (single[k] - r["ms"][k]) for k, n in (("hca", 3), ("swa", 2)))
+            r["dense_saving_ms"] = r["sparse_saving_ms"] + 4 * (single["csa_dense"] - r["ms"]["csa_dense"])
+            r["step_ms"] = -r["sparse_saving_ms"]  # print_table sorts by it: the largest sparse-step saving first
+    print_table(f"range-only backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
+                f"{torch.cuda.get_device_name()}; saving per benchmark step against the single-pass kernel", rows,
+                [("kernel", -12, lambda r: r["kernel"]), ("config", -40, lambda r: str(r["cfg"] or "-")),
+                 *[(f"{k} ms", 9, lambda r, k=k: f"{r['ms'][k]:.2f}") for k in kinds],
+                 ("sparse save", 11, lambda r: f"{r['sparse_saving_ms']:.2f}"),
+                 ("dense save", 10, lambda r: f"{r['dense_saving_ms']:.2f}"), ("err", 8, lambda r: f"{r['err']:.1e}")])
+    with open(os.path.join(a.out, f"attention_bwd_query_blocks_h{a.heads}.json"), "w") as f:
+        json.dump(dict(heads=a.heads, gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f,
+                  indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", type=int, default=16)
@@ -132,10 +189,15 @@ def main() -> None:
     ap.add_argument("--seg", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--two-pass", action="store_true", help="time the two-pass backward's configs instead")
+    ap.add_argument("--query-blocks", action="store_true", help="time the query-block backward on the range-only "
+                    "layers instead")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     D, scale = 512, 512 ** -0.5
+    if a.query_blocks:
+        sweep_query_blocks(a, D, scale, gen)
+        return
     problems = {}
     for kind in LAYERS:
         q, kv, idx, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)

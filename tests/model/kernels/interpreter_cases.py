@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from v4launch.model.kernels import reference as ref  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
 from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
+from v4launch.model.kernels import triton_attention_query_blocks as tqb  # noqa: E402
 from v4launch.model.kernels import triton_cross_entropy as tce  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
 from v4launch.model.kernels import triton_sinkhorn as tsk  # noqa: E402
@@ -100,6 +101,69 @@ def attention_cases(seed: int) -> dict:
             res[f"{name}/{mode}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t),
                                          delta=rel(delta, (g_out.double() * out_t).sum(-1)))
     return res
+
+
+def window_like_ranges(g: torch.Generator, T: int, window: int, first_entry: int, ratio: int):
+    """[T, 4] ranges as the model builds them for a pack of random-length segments: each query's window (the
+    last ``window`` rows of its own segment, itself included) and its segment's visible compressed entries
+    (one per ``ratio`` tokens; segment s's entries start at kv row ``first_entry`` + the earlier segments'
+    entry counts)."""
+    lengths, left = [], T
+    while left:
+        lengths.append(min(left, int(torch.randint(1, 12, (1,), generator=g))))
+        left -= lengths[-1]
+    rows, entry = [], first_entry
+    for n in lengths:
+        start = sum(len(r) for r in rows) if rows else 0
+        seg = []
+        for pos in range(n):
+            t = start + pos
+            seg.append((t - min(pos, window - 1), t + 1, entry, entry + (pos + 1) // ratio))
+        rows.append(seg)
+        entry += n // ratio
+    return torch.tensor([r for seg in rows for r in seg], dtype=torch.int32)
+
+
+def query_block_cases(seed: int) -> dict:
+    """The query-block backward (range-only layers, 16 and 32 heads: blocks of 4 and 2 queries) against float64:
+    the generic ranges of :func:`problem` (neighbouring queries with unrelated ranges, an empty one, a union
+    with gaps) and window-like ranges (what the model builds), a partial last block, several query chunks."""
+    res = {}
+    for H in (16, 32):
+        for kind in ("generic", "window"):
+            g = torch.Generator().manual_seed(seed + 7 + H)
+            T, D, N = 23, 64, 120
+            q, kv, sink, _, ranges = problem(g, T=T, H=H, D=D, N=N, K=20, mode="ranges")
+            if kind == "window":
+                ranges = window_like_ranges(g, T, window=5, first_entry=100, ratio=2)
+            bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
+            scale = D ** -0.5
+            g_out = torch.randn(q.shape, generator=g)
+            out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, None, ranges, g_out, scale)
+            saved = tqb.supported, dict(tqb.CONFIG)
+            tqb.supported = lambda q, idx: True  # noqa: E731  (the interpreter runs float32)
+            tqb.CONFIG.update(BN=16, BNQ=16)
+            try:
+                budget = 8 * H * (triton_cdiv(bounds[0], 16) + triton_cdiv(bounds[1], 16)) * 16 * 4  # 8 queries
+                dq, dkv, delta = tqb.attention_bwd(q, kv, ranges, out_t.float(), lse_t.float(), g_out, scale,
+                                                   bounds, budget_bytes=budget)
+            finally:
+                tqb.supported, _ = saved
+                tqb.CONFIG.update(saved[1])
+            res[f"query_blocks_h{H}/{kind}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t),
+                                                    delta=rel(delta, (g_out.double() * out_t).sum(-1)))
+    try:  # a bound shorter than a range (host ranges are checked): refused, not written into the next slots
+        tqb.attention_bwd(q.bfloat16(), kv.bfloat16(), ranges, out_t.bfloat16(), lse_t.float(), g_out, scale,
+                          (bounds[0] - 1, bounds[1]))
+        refused = 0.0
+    except ValueError as e:
+        refused = 1.0 if "ranges are up to" in str(e) else 0.0
+    res["query_blocks_h32/window"]["short_bound_accepted"] = 1.0 - refused
+    return res
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return max(1, -(-a // b))
 
 
 def teacher_and_indexer_cases(seed: int) -> dict:
@@ -245,5 +309,6 @@ def opcheck_case(seed: int) -> dict:
 
 if __name__ == "__main__":
     seed = int(sys.argv[1])
-    print(json.dumps({**attention_cases(seed), **teacher_and_indexer_cases(seed), **student_case(seed),
+    print(json.dumps({**attention_cases(seed), **query_block_cases(seed), **teacher_and_indexer_cases(seed),
+                      **student_case(seed),
                       **cross_entropy_case(seed), **sinkhorn_case(seed), **opcheck_case(seed)}))
