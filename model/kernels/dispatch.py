@@ -33,10 +33,11 @@ class BackendUnavailable(RuntimeError):
 class Backend:
     """The functions one backend provides (the reference signatures, with the two additions marked).
 
-    sparse_sink_attention(q [T,H,D], kv [N,D], idx [T,K] int32 | None, sink [H], scale, ranges [T,4] | None)
-        -> (out [T,H,D], lse [T,H], selected_lse [T,H] | None); differentiable in q, kv, sink. ``selected_lse``
-        (added): each head's log-sum-exp over the valid idx slots alone, where the backend's forward has it on
-        the way (Triton), else None.
+    sparse_sink_attention(q [T,H,D], kv [N,D], idx [T,K] int32 | None, sink [H], scale, ranges [T,4] | None,
+        range_bounds=None) -> (out [T,H,D], lse [T,H], selected_lse [T,H] | None); differentiable in q, kv, sink.
+        ``selected_lse`` (added): each head's log-sum-exp over the valid idx slots alone, where the backend's
+        forward has it on the way (Triton), else None. ``range_bounds`` (added): (longest range 0, longest
+        range 1) in rows, host ints, or None; the Triton backward may use it (``QUERY_BLOCK_BACKWARD``).
     indexer_topk(q [T,HI,dI], w [T,HI], keys [C,dI], first [T], n_visible [T], topk, max_entries)
         -> idx [T, min(topk, max_entries)] int32 global entry ids, -1 = masked.
     head_avg_probs(q, kv, idx, scale, selected_lse=None) -> [T, K] float: the sparse-phase KL teacher;
@@ -81,9 +82,9 @@ def _triton_backend(requested: str) -> Backend:
     from . import triton_indexer as ti
     from . import triton_student as ts
 
-    def attn(q, kv, idx, sink, scale, ranges=None):
+    def attn(q, kv, idx, sink, scale, ranges=None, range_bounds=None):
         if ta.supported(q, kv):
-            return ta.sparse_sink_attention_with_selected_lse(q, kv, idx, sink, scale, ranges)
+            return ta.sparse_sink_attention_with_selected_lse(q, kv, idx, sink, scale, ranges, range_bounds)
         return (*reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges), None)
 
     def topk(q, w, keys, first, n_visible, k, max_entries):
@@ -115,7 +116,7 @@ def _triton_backend(requested: str) -> Backend:
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:
-    def attn(q, kv, idx, sink, scale, ranges=None):
+    def attn(q, kv, idx, sink, scale, ranges=None, range_bounds=None):
         return (*reference.sparse_sink_attention(q, kv, idx, sink, scale, ranges), None)
 
     def teacher(q, kv, idx, scale, selected_lse=None):

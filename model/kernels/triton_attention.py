@@ -290,17 +290,29 @@ def _forward(q, kv, idx, sink, scale, ranges):
     return out, lse, lse_sel
 
 
-def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale):
+QUERY_BLOCK_BACKWARD = False
+"""Run range-only layers at 16 / 32 heads through ``triton_attention_query_blocks`` (where the caller states
+``range_bounds``). Off until timed on a GPU: ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``
+per layer, ``benchmarks/train_step.py --query-blocks`` per step."""
+
+
+def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
     """(dq, dkv float32, delta) of :func:`sparse_sink_attention`: the two-pass kernels
-    (``triton_attention_bwd``) where they apply and pay (bf16/fp16, heads % 64 == 0), else the
-    single-pass kernel below (float32 parity runs, other head counts). At 16 heads the two-pass form
-    runs (``head_block``) but measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs
-    25.8 ms per step, both near the floor of their float32 dKV reductions
-    (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it is not dispatched there."""
+    (``triton_attention_bwd``) where they apply and pay (bf16/fp16, heads % 64 == 0); with
+    :data:`QUERY_BLOCK_BACKWARD` on, range-only layers at 16 / 32 heads whose caller gave ``range_bounds``
+    through the query-block kernels (``triton_attention_query_blocks``); else the single-pass kernel below
+    (float32 parity runs, other head counts). At 16 heads the two-pass form runs (``head_block``) but
+    measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs 25.8 ms per step, both near the
+    floor of their float32 dKV reductions (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it
+    is not dispatched there."""
     from . import triton_attention_bwd as two_pass
+    from . import triton_attention_query_blocks as query_blocks
 
     if two_pass.supported(q) and q.shape[1] % two_pass.HEAD_BLOCK == 0:
         return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
+    if (QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None
+            and query_blocks.supported(q, idx)):
+        return query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds))
     return attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale)
 
 
@@ -327,12 +339,13 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
 
 @torch.library.custom_op("v4launch::sparse_sink_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: Optional[torch.Tensor],
-                  ranges: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ranges: Optional[torch.Tensor], scale: float, range_bounds: Optional[list[int]] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(q, kv, idx, sink, scale, ranges)
 
 
 @_attention_op.register_fake
-def _attention_shapes(q, kv, sink, idx, ranges, scale):
+def _attention_shapes(q, kv, sink, idx, ranges, scale, range_bounds=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty(q.shape[:2], dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32))
 
@@ -340,56 +353,65 @@ def _attention_shapes(q, kv, sink, idx, ranges, scale):
 @torch.library.custom_op("v4launch::sparse_sink_attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: Optional[torch.Tensor],
                            ranges: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dkv, delta = attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
+                           scale: float, range_bounds: Optional[list[int]] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dkv, delta = attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds)
     dsink = -(torch.exp(sink.float()[None, :] - lse) * delta).sum(0)
     return dq, dkv.to(kv.dtype), dsink.to(sink.dtype)
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_shapes(q, kv, sink, idx, ranges, out, lse, dout, scale):
+def _attention_backward_shapes(q, kv, sink, idx, ranges, out, lse, dout, scale, range_bounds=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(kv, memory_format=torch.contiguous_format), torch.empty_like(sink))
 
 
 def _attention_save(ctx, inputs, output) -> None:
-    q, kv, sink, idx, ranges, scale = inputs
+    q, kv, sink, idx, ranges, scale, range_bounds = inputs
     out, lse, selected_lse = output
     ctx.save_for_backward(q, kv, sink, idx, ranges, out, lse)
-    ctx.scale = scale
+    ctx.scale, ctx.range_bounds = scale, range_bounds
     ctx.mark_non_differentiable(lse, selected_lse)
 
 
 def _attention_grads(ctx, dout, _dlse, _dselected_lse):
     q, kv, sink, idx, ranges, out, lse = ctx.saved_tensors
-    dq, dkv, dsink = _attention_backward_op(q, kv, sink, idx, ranges, out, lse, dout, ctx.scale)
-    return dq, dkv, dsink, None, None, None
+    dq, dkv, dsink = _attention_backward_op(q, kv, sink, idx, ranges, out, lse, dout, ctx.scale, ctx.range_bounds)
+    return dq, dkv, dsink, None, None, None, None
 
 
 _attention_op.register_autograd(_attention_grads, setup_context=_attention_save)
 
 
 def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor], sink: torch.Tensor,
-                          scale: float, ranges: Optional[torch.Tensor] = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+                          scale: float, ranges: Optional[torch.Tensor] = None,
+                          range_bounds: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`v4launch.model.kernels.reference.sparse_sink_attention`
-    (same arguments and results; ``lse`` float32; gradients for q, kv, sink).
+    (same arguments and results; ``lse`` float32; gradients for q, kv, sink). ``range_bounds``: the longest
+    range 0 and range 1 of any query, in rows (host ints: the window, the most visible compressed entries),
+    which lets the backward run range-only layers in query blocks (:data:`QUERY_BLOCK_BACKWARD`); None: unknown.
 
     A custom operator (``torch.ops.v4launch.sparse_sink_attention``, its backward another): a compiled
     caller (a block of ``compile.compile_blocks``) keeps one graph around it and calls the operator,
     which launches the kernels as written (dynamo never traces into them: traced, it had typed the Python
     float ``scale`` as fp64 inside the kernel, and Triton refused the loop-carried softmax maximum)."""
-    return _attention_op(q, kv, sink, idx, ranges, float(scale))[:2]
+    return _attention_op(q, kv, sink, idx, ranges, float(scale), _bounds(range_bounds))[:2]
 
 
 def sparse_sink_attention_with_selected_lse(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch.Tensor],
-                                            sink: torch.Tensor, scale: float, ranges: Optional[torch.Tensor] = None
+                                            sink: torch.Tensor, scale: float, ranges: Optional[torch.Tensor] = None,
+                                            range_bounds: Optional[tuple[int, int]] = None
                                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sparse_sink_attention` plus ``selected_lse`` [T, H] float32 (no gradient): each head's log-sum-exp
     of ``scale * q.kv`` over the valid slots of ``idx`` alone (no sink, no ranges; -1e30 where a row has none),
     which the forward kernel has on the way (it visits the selection first). :func:`head_avg_probs` given it
     gathers the selected rows once instead of twice."""
-    return _attention_op(q, kv, sink, idx, ranges, float(scale))
+    return _attention_op(q, kv, sink, idx, ranges, float(scale), _bounds(range_bounds))
+
+
+def _bounds(range_bounds: Optional[tuple[int, int]]) -> Optional[list[int]]:
+    """The operator's form of ``range_bounds``: a list of two Python ints, or None."""
+    return None if range_bounds is None else [int(b) for b in range_bounds]
 
 
 @torch.library.custom_op("v4launch::head_avg_probs", mutates_args=())

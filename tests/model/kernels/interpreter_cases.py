@@ -159,7 +159,35 @@ def query_block_cases(seed: int) -> dict:
     except ValueError as e:
         refused = 1.0 if "ranges are up to" in str(e) else 0.0
     res["query_blocks_h32/window"]["short_bound_accepted"] = 1.0 - refused
+    res["query_blocks_dispatch"] = query_block_dispatch(seed)
     return res
+
+
+def query_block_dispatch(seed: int) -> dict:
+    """Through the operator (``sparse_sink_attention`` with ``range_bounds``) and autograd, with
+    ``QUERY_BLOCK_BACKWARD`` on: the gradients against float64 and whether the query-block kernels ran
+    (``not_run`` 1 = they did not); with index columns the single pass runs instead (``ran_with_idx``)."""
+    g = torch.Generator().manual_seed(seed + 9)
+    q, kv, sink, idx, _ = problem(g, T=10, H=16, D=64, N=120, K=20, mode="idx")
+    ranges = window_like_ranges(g, 10, window=4, first_entry=100, ratio=2)
+    g_out = torch.randn(q.shape, generator=g)
+    _, _, (dq_t, dkv_t, dsink_t) = float64_truth(q, kv, sink, None, ranges, g_out, 64 ** -0.5)
+    runs = []
+    saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD
+    tqb.supported = lambda q, idx: idx is None or idx.shape[1] == 0  # noqa: E731  (float32 in the interpreter)
+    tqb.attention_bwd = lambda *a, **k: (runs.append(1), saved[1](*a, **k))[1]  # noqa: E731
+    ta.QUERY_BLOCK_BACKWARD = True
+    try:
+        qk, kvk, sk = (x.clone().requires_grad_() for x in (q, kv, sink))
+        out, _ = ta.sparse_sink_attention(qk, kvk, None, sk, 64 ** -0.5, ranges, (4, 5))
+        dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
+        with_blocks = len(runs)
+        out, _ = ta.sparse_sink_attention(qk, kvk, idx, sk, 64 ** -0.5, ranges, (4, 5))
+        torch.autograd.grad((out * g_out).sum(), (qk,))
+    finally:
+        tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
+    return dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t), dsink=rel(dsink, dsink_t), not_run=float(with_blocks != 1),
+                ran_with_idx=float(len(runs) != with_blocks))
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -288,6 +316,8 @@ def opcheck_case(seed: int) -> dict:
         "sparse_sink_attention_backward": (torch.ops.v4launch.sparse_sink_attention_backward.default,
                                            (q.detach(), kv.detach(), sink.detach(), idx, ranges, out.detach(),
                                             lse, dout, 0.2)),
+        "sparse_sink_attention with range_bounds": (torch.ops.v4launch.sparse_sink_attention.default,
+                                                    (q, kv, sink, None, ranges, 0.2, [3, 0])),
         "head_avg_probs": (torch.ops.v4launch.head_avg_probs.default, (q.detach(), kv.detach(), idx, 0.2)),
         "head_avg_probs given selected_lse": (torch.ops.v4launch.head_avg_probs.default,
                                               (q.detach(), kv.detach(), idx, 0.2, sel_lse.detach())),

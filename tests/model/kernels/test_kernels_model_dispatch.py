@@ -68,3 +68,42 @@ def test_cudnn_backend_refuses_with_the_fix():
     tokens = torch.zeros(8, dtype=torch.long)
     with pytest.raises(dispatch.BackendUnavailable):
         model(tokens, torch.tensor([0, 8]), 8, tokens)
+
+
+@pytest.mark.parametrize("phase", ["dense", "sparse"])
+def test_range_bounds_given_to_the_kernels_bound_every_range(monkeypatch, phase):
+    """The layer states the longest window and entry range on the host (``range_bounds``, which size the
+    query-block backward's dS slots without reading the ranges): every call's ranges must fit them, range 1 only
+    where the layer passes entries as a range (HCA; CSA in the dense phase), none beside index columns. Random
+    packs: segments of random lengths, longer than the window, one with a ratio-128 entry."""
+    gen = fresh_gen()
+    args = tiny_args(index_topk=3)
+    model = V4Model(args, phase, kernel_backend="triton").double()
+    randomize(model, gen)
+    calls = []
+    base = dispatch.select_backend("reference", "cpu")
+
+    def attn(q, kv, idx, sink, scale, ranges=None, range_bounds=None):
+        calls.append((idx, ranges.clone(), range_bounds))
+        return base.sparse_sink_attention(q, kv, idx, sink, scale, ranges)
+
+    monkeypatch.setattr(model_module, "select_backend",
+                        lambda name, device: dataclasses.replace(base, name="triton", sparse_sink_attention=attn))
+    for _ in range(3):
+        lengths = torch.randint(1, 300, (4,), generator=gen)
+        lengths[0] = 128 + lengths[0] % 100  # one segment with a ratio-128 entry
+        cu = torch.cat((torch.zeros(1, dtype=torch.long), lengths.cumsum(0)))
+        tokens = torch.randint(0, args.vocab_size, (int(cu[-1]),), generator=gen)
+        labels = tokens.roll(-1)
+        labels[cu[1:] - 1] = -100
+        model(tokens, cu, int(lengths.max()), labels)
+    assert calls
+    kinds = set()
+    for idx, ranges, (window, entries) in calls:
+        lengths = (ranges[:, 1::2] - ranges[:, 0::2]).clamp_min(0)
+        assert int(lengths[:, 0].max()) <= window == args.window_size
+        assert int(lengths[:, 1].max()) <= entries
+        if idx is not None:
+            assert entries == 0 and int(lengths[:, 1].max()) == 0
+        kinds.add("idx" if idx is not None else "entries" if entries else "window")
+    assert kinds >= ({"window", "entries", "idx"} if phase == "sparse" else {"window", "entries"}), kinds
