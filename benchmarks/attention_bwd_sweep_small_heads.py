@@ -130,9 +130,12 @@ def sweep_two_pass(a, problems: dict, truth: dict, current: dict, scale: float, 
                   indent=1)
 
 
-QUERY_BLOCK_CONFIGS = [dict(BN=BN, NP=NP, num_warps=w, num_stages=1, BNQ=BNQ, dq_warps=4, dq_stages=2)
-                       for BN, NP, w, BNQ in ((64, 4, 8, 64), (64, 4, 4, 64), (128, 4, 8, 64), (64, 2, 8, 64),
-                                              (64, 4, 8, 32))]
+QUERY_BLOCK_CONFIGS = [dict(BN=BN, NP=NP, num_warps=w, num_stages=1, BNQ=BNQ, dq_form=form, dq_warps=dw,
+                            dq_stages=2)
+                       for BN, NP, w, BNQ, form, dw in ((64, 4, 8, 64, "query", 4), (64, 4, 4, 64, "query", 4),
+                                                        (128, 4, 8, 64, "query", 4), (64, 2, 8, 64, "query", 4),
+                                                        (64, 4, 8, 32, "query", 4), (64, 4, 8, 64, "block", 8),
+                                                        (64, 4, 8, 32, "block", 8), (128, 4, 8, 64, "block", 8))]
 
 
 def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:

@@ -23,8 +23,10 @@ NP column parts of [2 * 64, D / NP]; per union tile of BN kv rows
 
 and each query's dS goes to its own slots of a [Tc, H, NC] buffer: range 0's rows at ``row - lo0``, range 1's
 at ``CAP0 + row - lo1``.
-Pass 2, ``_dq_range_pass`` (one program = one query, all H heads): dQ = dS K over the query's own ranges,
-reading its slots back.
+Pass 2, dQ = dS K reading those slots back, in one of two forms (``CONFIG["dq_form"]``, for the sweep to pick):
+``"query"``, ``_dq_range_pass`` (one program = one query, all H heads, over its own ranges), or ``"block"``,
+``_dq_block_pass`` (one program = one block, 64 virtual heads, over the union tiles as pass 1: each kv tile
+gathered once per block; the accumulator is [64, D] float32, as the two-pass pass 2 at 64 heads).
 
 Slot capacity: the caller states the longest range 0 and range 1 any query has (``range_bounds``: the window and
 the most visible compressed entries, both known on the host from the layer's plan), so the buffer's shape needs no
@@ -44,8 +46,9 @@ from .triton_attention import LOG2E, _red_add_rows
 
 VIRTUAL_HEADS = 64
 """Query rows per pass-1 program: QB = VIRTUAL_HEADS / H consecutive queries of H heads."""
-CONFIG = dict(BN=64, NP=4, num_warps=8, num_stages=1, BNQ=64, dq_warps=4, dq_stages=2)
-"""Pass 1: BN kv rows per tile, [q; dO] in NP column parts; pass 2: BNQ kv rows per tile. Not tuned yet."""
+CONFIG = dict(BN=64, NP=4, num_warps=8, num_stages=1, BNQ=64, dq_form="query", dq_warps=4, dq_stages=2)
+"""Pass 1: BN kv rows per tile, [q; dO] in NP column parts; pass 2: BNQ kv rows per tile, per query or per
+block (``dq_form``). Not tuned yet."""
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 UNION_END = tl.constexpr(2 ** 30)  # larger than any kv row: the start of an empty union
 
@@ -152,6 +155,37 @@ def _dq_range_pass(KV, RNG, DS, DQ, NC, CAP0, t0, sq_t, sq_h, H: tl.constexpr, D
     tl.store(DQ + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], acc.to(DQ.dtype.element_ty))
 
 
+@triton.jit
+def _dq_block_pass(KV, RNG, DS, DQ, NC, CAP0, t0, t_end, sq_t, sq_h, H: tl.constexpr, D: tl.constexpr,
+                   QB: tl.constexpr, BNQ: tl.constexpr):
+    """dQ of the block of queries t0 + program_id(0) * QB ... (those below t_end) over the union tiles of their
+    ranges, as pass 1 walks them: virtual row r reads its query's slot of each row in its own range, 0 elsewhere."""
+    R: tl.constexpr = QB * H
+    first = t0 + tl.program_id(0) * QB
+    offs_r = tl.arange(0, R)
+    t_r = first + offs_r // H
+    h_r = offs_r % H
+    live = t_r < t_end
+    rng = RNG + t_r.to(tl.int64) * 4
+    ds_row = DS + ((t_r - t0).to(tl.int64) * H + h_r) * NC
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BNQ)
+    acc = tl.zeros([R, D], tl.float32)
+    for k in tl.static_range(2):
+        lo = tl.load(rng + 2 * k, mask=live, other=0)
+        hi = tl.load(rng + 2 * k + 1, mask=live, other=0)
+        u_lo, u_hi = _union(lo, hi)
+        for start in range(u_lo, u_hi, BNQ):
+            rows = start + offs_n
+            kvt = tl.load(KV + rows.to(tl.int64)[:, None] * D + offs_d[None, :], mask=(rows < u_hi)[:, None],
+                          other=0.0)
+            own = (rows[None, :] >= lo[:, None]) & (rows[None, :] < hi[:, None]) & live[:, None]
+            ds = tl.load(ds_row[:, None] + k * CAP0 + rows[None, :] - lo[:, None], mask=own, other=0.0)
+            acc = tl.dot(ds, kvt, acc)
+    tl.store(DQ + t_r.to(tl.int64)[:, None] * sq_t + h_r[:, None] * sq_h + offs_d[None, :],
+             acc.to(DQ.dtype.element_ty), mask=live[:, None])
+
+
 def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, scale: float, range_bounds: tuple[int, int],
                   budget_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,13 +201,16 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
         (dq [T, H, D] q.dtype, dkv [N, D] float32, delta [T, H] float32 = rowsum(dout * out)): the same as
         ``triton_attention.attention_bwd_single_pass`` up to the order of the float32 additions.
     Raises:
-        ValueError: :func:`supported` is false (dtype, heads, D, index columns), a bound is negative, or
+        ValueError: :func:`supported` is false (dtype, heads, D, index columns), ``CONFIG["dq_form"]`` is
+            neither "query" nor "block", a bound is negative, or
             (ranges on the host only: no device read here) a range is longer than its bound.
     """
     if not supported(q, None):
         raise ValueError(f"query-block backward needs bf16/fp16 q with 16 or 32 heads and D % "
                          f"{16 * CONFIG['NP']} == 0, got {q.dtype} {tuple(q.shape)}; use "
                          "triton_attention.attention_bwd_single_pass")
+    if CONFIG["dq_form"] not in ("query", "block"):
+        raise ValueError(f"CONFIG['dq_form']={CONFIG['dq_form']!r}: pass 2 runs per 'query' or per 'block'")
     if min(range_bounds) < 0:
         raise ValueError(f"range_bounds={range_bounds}: the longest ranges are row counts >= 0")
     if not ranges.is_cuda and ranges.numel():
@@ -201,6 +238,11 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
             q, kv, rng, out, dout, lse, delta, dkv, ds, NC, cap0, cap1, t0, t0 + n, q.stride(0), q.stride(1),
             scale * LOG2E, scale, H=H, D=D, QB=QB, BN=c["BN"], NP=c["NP"], USE_ASM=q.is_cuda,
             num_warps=c["num_warps"], num_stages=c["num_stages"])
-        _dq_range_pass[(n,)](kv, rng, ds, dq, NC, cap0, t0, q.stride(0), q.stride(1), H=H, D=D, BNQ=c["BNQ"],
-                             num_warps=c["dq_warps"], num_stages=c["dq_stages"])
+        if c["dq_form"] == "block":
+            _dq_block_pass[(triton.cdiv(n, QB),)](kv, rng, ds, dq, NC, cap0, t0, t0 + n, q.stride(0), q.stride(1),
+                                                  H=H, D=D, QB=QB, BNQ=c["BNQ"], num_warps=c["dq_warps"],
+                                                  num_stages=c["dq_stages"])
+        else:
+            _dq_range_pass[(n,)](kv, rng, ds, dq, NC, cap0, t0, q.stride(0), q.stride(1), H=H, D=D, BNQ=c["BNQ"],
+                                 num_warps=c["dq_warps"], num_stages=c["dq_stages"])
     return dq, dkv, delta

@@ -125,33 +125,34 @@ def window_like_ranges(g: torch.Generator, T: int, window: int, first_entry: int
 
 
 def query_block_cases(seed: int) -> dict:
-    """The query-block backward (range-only layers, 16 and 32 heads: blocks of 4 and 2 queries) against float64:
+    """The query-block backward (range-only layers, 16 and 32 heads: blocks of 4 and 2 queries; pass 2 per query
+    and per block) against float64:
     the generic ranges of :func:`problem` (neighbouring queries with unrelated ranges, an empty one, a union
     with gaps) and window-like ranges (what the model builds), a partial last block, several query chunks."""
     res = {}
-    for H in (16, 32):
-        for kind in ("generic", "window"):
-            g = torch.Generator().manual_seed(seed + 7 + H)
-            T, D, N = 23, 64, 120
-            q, kv, sink, _, ranges = problem(g, T=T, H=H, D=D, N=N, K=20, mode="ranges")
-            if kind == "window":
-                ranges = window_like_ranges(g, T, window=5, first_entry=100, ratio=2)
-            bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
-            scale = D ** -0.5
-            g_out = torch.randn(q.shape, generator=g)
-            out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, None, ranges, g_out, scale)
-            saved = tqb.supported, dict(tqb.CONFIG)
-            tqb.supported = lambda q, idx: True  # noqa: E731  (the interpreter runs float32)
-            tqb.CONFIG.update(BN=16, BNQ=16)
-            try:
-                budget = 8 * H * (triton_cdiv(bounds[0], 16) + triton_cdiv(bounds[1], 16)) * 16 * 4  # 8 queries
-                dq, dkv, delta = tqb.attention_bwd(q, kv, ranges, out_t.float(), lse_t.float(), g_out, scale,
-                                                   bounds, budget_bytes=budget)
-            finally:
-                tqb.supported, _ = saved
-                tqb.CONFIG.update(saved[1])
-            res[f"query_blocks_h{H}/{kind}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t),
-                                                    delta=rel(delta, (g_out.double() * out_t).sum(-1)))
+    for H, kind, dq_form in ((16, "generic", "query"), (16, "window", "block"), (32, "generic", "block"),
+                             (32, "window", "query")):
+        g = torch.Generator().manual_seed(seed + 7 + H)
+        T, D, N = 23, 64, 120
+        q, kv, sink, _, ranges = problem(g, T=T, H=H, D=D, N=N, K=20, mode="ranges")
+        if kind == "window":
+            ranges = window_like_ranges(g, T, window=5, first_entry=100, ratio=2)
+        bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
+        scale = D ** -0.5
+        g_out = torch.randn(q.shape, generator=g)
+        out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, None, ranges, g_out, scale)
+        saved = tqb.supported, dict(tqb.CONFIG)
+        tqb.supported = lambda q, idx: True  # noqa: E731  (the interpreter runs float32)
+        tqb.CONFIG.update(BN=16, BNQ=16, dq_form=dq_form)
+        try:
+            budget = 8 * H * (triton_cdiv(bounds[0], 16) + triton_cdiv(bounds[1], 16)) * 16 * 4  # 8 queries
+            dq, dkv, delta = tqb.attention_bwd(q, kv, ranges, out_t.float(), lse_t.float(), g_out, scale,
+                                               bounds, budget_bytes=budget)
+        finally:
+            tqb.supported, _ = saved
+            tqb.CONFIG.update(saved[1])
+        res[f"query_blocks_h{H}/{kind}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t),
+                                                delta=rel(delta, (g_out.double() * out_t).sum(-1)))
     try:  # a bound shorter than a range (host ranges are checked): refused, not written into the next slots
         tqb.attention_bwd(q.bfloat16(), kv.bfloat16(), ranges, out_t.bfloat16(), lse_t.float(), g_out, scale,
                           (bounds[0] - 1, bounds[1]))

@@ -110,11 +110,15 @@ def test_two_pass_backward_matches_float64(H, budget, cfg, monkeypatch):
 
 @pytest.mark.parametrize("H,budget", [(16, None), (16, 200_000), (32, None)])
 @pytest.mark.parametrize("kind", ["generic", "hca"])
-def test_query_block_backward_matches_float64(H, budget, kind):
+@pytest.mark.parametrize("dq_form,dq_warps", [("query", 4), ("block", 8)])
+def test_query_block_backward_matches_float64(H, budget, kind, dq_form, dq_warps, monkeypatch):
     """The query-block backward (range-only layers) in bf16 at its shipped config against float64 autograd of the
     reference: ``generic`` neighbouring queries with unrelated ranges (the union has gaps), ``hca`` packed
     segments with a 128-row window and their ratio-128 entries (the model's ranges), T not a multiple of the
-    block; one chunk and many; rows no query reaches get exactly zero dKV; the single-pass kernel agrees."""
+    block; one chunk and many; pass 2 per query and per block; rows no query reaches get exactly zero dKV; the
+    single-pass kernel agrees."""
+    monkeypatch.setitem(tqb.CONFIG, "dq_form", dq_form)
+    monkeypatch.setitem(tqb.CONFIG, "dq_warps", dq_warps)
     T, D = 301, 512
     q, kv, sink, _, ranges = _problem(T=T, H=H)
     if kind == "hca":
