@@ -92,12 +92,14 @@ class CapturedStep:
 
     def __call__(self, mb: Any, loss_weight: Callable[[str], float]) -> dict[str, torch.Tensor]:
         """Run micro-batch ``mb`` (``tokens`` / ``labels`` [T] on the GPU, ``cu_seqlens`` [N+1], ``max_seqlen``):
-        its gradients are added to ``.grad``. Returns the raw losses by name (``lm_loss`` and the aux
-        losses, 0-d tensors owned by the graph: read or copy them before the next call).
+        its gradients are written to ``.grad`` (``writes_grads``: one micro-batch per step) or added to them.
+        Returns the raw losses by name (``lm_loss`` and the aux losses, 0-d tensors owned by the graph: read or
+        copy them before the next call).
 
         Raises:
             ValueError: a batch of another T, or a segment longer than ``seq_len``.
-            CaptureError: the first call could not capture the step.
+            CaptureError: the first call could not capture the step, or a parameter's gradient is no longer the
+                tensor the graph captured.
         """
         ctx = self.model.batch_context(mb.tokens, mb.cu_seqlens, mb.max_seqlen, mb.labels,
                                        static_seqlen=self.seq_len, ids_checked=getattr(mb, "ids_checked", False))
