@@ -8,10 +8,12 @@ Single-pass (default): the kernel ``triton_attention._sparse_bwd`` with ``CONFIG
 heads) or ``["lp"]``. ``--two-pass``: ``triton_attention_bwd`` with one head block of 16 / 32 heads
 (``head_block``) for each pass-1 config in ``DKV_CANDIDATES`` and pass-2 config in ``DQ_CANDIDATES``, and the
 single-pass kernel's current config as the first row, so the table says which backward to dispatch.
-``--query-blocks``: ``triton_attention_query_blocks`` (blocks of 64 / H queries, range-only layers) for each
-config in ``QUERY_BLOCK_CONFIGS`` against the single-pass kernel on the layers whose candidates are ranges
-alone: HCA and SWA in every phase, CSA in the dense phase (``csa_dense``: the window and every visible ratio-4
-entry), with the saving per sparse step (3 HCA + 2 SWA) and per dense step (4 CSA + 3 HCA + 2 SWA). This
+``--query-blocks``: the backward as dispatched (``triton_attention.attention_bwd`` given the layer's
+``range_bounds``) with ``QUERY_BLOCK_BACKWARD`` off, then on at each config in ``QUERY_BLOCK_CONFIGS``
+(``triton_attention_query_blocks``: blocks of 64 / H queries over the ranges; beside CSA's index columns the
+single pass takes those): CSA, HCA and SWA as the sparse phase runs them and CSA in the dense phase
+(``csa_dense``: the window and every visible ratio-4 entry as ranges), with the saving per sparse step
+(4 CSA + 3 HCA + 2 SWA) and per dense step (4 dense CSA + 3 HCA + 2 SWA). This
 times it at the benchmark model's layers (benchmarks/train_step.py: 8,192 tokens as 2 x 4,096, D 512,
 window 128; CSA: top-512 of the compress-ratio-4 entries; HCA: every ratio-128 entry; SWA: the window
 alone) for each candidate config, weighted by the layer counts (4 CSA, 3 HCA, 2 SWA with the MTP
@@ -139,45 +141,52 @@ QUERY_BLOCK_CONFIGS = [dict(BN=BN, NP=NP, num_warps=w, num_stages=1, BNQ=BNQ, dq
 
 
 def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
-    """``--query-blocks``: the single-pass kernel, then the query-block backward at each config, on the range-only
-    layers; prints the table, writes attention_bwd_query_blocks_h<H>.json."""
+    """``--query-blocks``: ``triton_attention.attention_bwd`` given the layers' ``range_bounds`` with
+    ``QUERY_BLOCK_BACKWARD`` off (the single pass), then on at each of ``QUERY_BLOCK_CONFIGS``; prints the table,
+    writes attention_bwd_query_blocks_h<H>.json."""
     from v4launch.model.kernels import triton_attention_query_blocks as tqb
 
-    kinds, problems, bounds = ("hca", "swa", "csa_dense"), {}, {}
+    kinds, problems = ("csa", "hca", "swa", "csa_dense"), {}
     for kind in kinds:
-        q, kv, _, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)
-        out, lse = ta.attention_fwd(q, kv, None, torch.zeros(a.heads, device="cuda"), scale, ranges)
-        problems[kind] = (q, kv, ranges, out, lse, torch.randn_like(out))
-        ratio = {"hca": 128, "swa": 0, "csa_dense": 4}[kind]
-        bounds[kind] = (128, a.seg // ratio if ratio else 0)  # the window; a segment's visible entries at most
-    truth = {k: ta.attention_bwd_single_pass(q, kv, None, r, o, l, g, scale) for k, (q, kv, r, o, l, g) in
-             problems.items()}
-    saved, rows = dict(tqb.CONFIG), []
-    single = {k: timed(lambda p=p: ta.attention_bwd_single_pass(p[0], p[1], None, *p[2:], scale), a.reps)
-              for k, p in problems.items()}
+        q, kv, idx, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)
+        out, lse = ta.attention_fwd(q, kv, idx, torch.zeros(a.heads, device="cuda"), scale, ranges)
+        ratio = {"csa": 4, "hca": 128, "swa": 0, "csa_dense": 4}[kind]
+        bounds = (128, a.seg // ratio if ratio and idx is None else 0)  # the window; a segment's entries at most
+        problems[kind] = (q, kv, idx, ranges, out, lse, torch.randn_like(out), bounds)
+
+    def bwd(p):
+        return ta.attention_bwd(*p[:7], scale, range_bounds=p[7])
+
+    saved, rows = (dict(tqb.CONFIG), ta.QUERY_BLOCK_BACKWARD), []
+    ta.QUERY_BLOCK_BACKWARD = False
+    truth = {k: bwd(p) for k, p in problems.items()}
+    single = {k: timed(lambda p=p: bwd(p), a.reps) for k, p in problems.items()}
     rows.append(dict(kernel="single-pass", cfg=None, ms=single, err=0.0))
+    ta.QUERY_BLOCK_BACKWARD = True
     for cfg in QUERY_BLOCK_CONFIGS:
         tqb.CONFIG.update(cfg)
         row = dict(kernel="query-blocks", cfg=cfg, ms={}, err=0.0)
         try:
             for k, p in problems.items():
-                dq, dkv, _ = tqb.attention_bwd(*p, scale, bounds[k])
+                dq, dkv, _ = bwd(p)
                 row["err"] = max(row["err"], rel(dq, truth[k][0]), rel(dkv, truth[k][1]))
-                row["ms"][k] = timed(lambda p=p, k=k: tqb.attention_bwd(*p, scale, bounds[k]), a.reps)
+                row["ms"][k] = timed(lambda p=p: bwd(p), a.reps)
         except Exception as e:  # out of shared memory / registers: reported, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
-    tqb.CONFIG.update(saved)
+    tqb.CONFIG.update(saved[0])
+    ta.QUERY_BLOCK_BACKWARD = saved[1]
     for r in rows:
         if len(r["ms"]) == len(kinds):
-            r["sparse_saving_ms"] = sum(n * (single[k] - r["ms"][k]) for k, n in (("hca", 3), ("swa", 2)))
-            r["dense_saving_ms"] = r["sparse_saving_ms"] + 4 * (single["csa_dense"] - r["ms"]["csa_dense"])
+            both = sum(n * (single[k] - r["ms"][k]) for k, n in (("hca", 3), ("swa", 2)))
+            r["sparse_saving_ms"] = both + 4 * (single["csa"] - r["ms"]["csa"])
+            r["dense_saving_ms"] = both + 4 * (single["csa_dense"] - r["ms"]["csa_dense"])
             r["step_ms"] = -r["sparse_saving_ms"]  # print_table sorts by it: the largest sparse-step saving first
-    print_table(f"range-only backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
+    print_table(f"attention backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
                 f"{torch.cuda.get_device_name()}; saving per benchmark step against the single-pass kernel", rows,
                 [("kernel", -12, lambda r: r["kernel"]), ("config", -40, lambda r: str(r["cfg"] or "-")),
-                 *[(f"{k} ms", 9, lambda r, k=k: f"{r['ms'][k]:.2f}") for k in kinds],
+                 *[(f"{k} ms", 12 if k == "csa_dense" else 7, lambda r, k=k: f"{r['ms'][k]:.2f}") for k in kinds],
                  ("sparse save", 11, lambda r: f"{r['sparse_saving_ms']:.2f}"),
                  ("dense save", 10, lambda r: f"{r['dense_saving_ms']:.2f}"), ("err", 8, lambda r: f"{r['err']:.1e}")])
     with open(os.path.join(a.out, f"attention_bwd_query_blocks_h{a.heads}.json"), "w") as f:

@@ -175,10 +175,12 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
 
 
 @triton.jit
-def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
+def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, DQ_IN, K_SEL, sq_t, sq_h, qk_scale, sm_scale,
                 H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BN: tl.constexpr, BH: tl.constexpr,
-                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr, USE_ASM: tl.constexpr):
-    """Q, O, DO, DQ share the strides (sq_t, sq_h, 1); DKV is float32 [N, D]."""
+                HAS_IDX: tl.constexpr, HAS_RNG: tl.constexpr, PREC: tl.constexpr, USE_ASM: tl.constexpr,
+                HAS_DQ_IN: tl.constexpr = False):
+    """Q, O, DO, DQ (and DQ_IN, float32, added to dQ where HAS_DQ_IN) share the strides (sq_t, sq_h, 1); DKV is
+    float32 [N, D]."""
     t = tl.program_id(0).to(tl.int64)
     dv0 = tl.program_id(1) * DV
     offs_h = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -212,7 +214,10 @@ def _sparse_bwd(Q, KV, IDX, RNG, O, DO, LSE, DQ, DKV, DELTA, K_SEL, sq_t, sq_h, 
             rows = tl.load(IDX + t * K_SEL + sel, mask=sel < K_SEL, other=-1)
             dq = _bwd_tile(q, do, qv, dov, KV, DKV, rows, rows >= 0, lse2, delta, dq, qk_scale, sm_scale,
                            offs_d, dv0, D, DV, PREC, USE_ASM)
-    tl.store(DQ + base + offs_v[None, :], (dq * sm_scale).to(DQ.dtype.element_ty))
+    dq = dq * sm_scale
+    if HAS_DQ_IN:
+        dq += tl.load(DQ_IN + base + offs_v[None, :])
+    tl.store(DQ + base + offs_v[None, :], dq.to(DQ.dtype.element_ty))
     if tl.program_id(1) == 0:
         tl.store(DELTA + t * H + offs_h, delta)
 
@@ -299,8 +304,9 @@ per layer, ``benchmarks/train_step.py --query-blocks`` per step."""
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
     """(dq, dkv float32, delta) of :func:`sparse_sink_attention`: the two-pass kernels
     (``triton_attention_bwd``) where they apply and pay (bf16/fp16, heads % 64 == 0); with
-    :data:`QUERY_BLOCK_BACKWARD` on, range-only layers at 16 / 32 heads whose caller gave ``range_bounds``
-    through the query-block kernels (``triton_attention_query_blocks``); else the single-pass kernel below
+    :data:`QUERY_BLOCK_BACKWARD` on, layers at 16 / 32 heads whose caller gave ``range_bounds``
+    through the query-block kernels (``triton_attention_query_blocks``; with index columns their ranges only,
+    the columns then in the single pass, which adds the ranges' dQ); else the single-pass kernel below
     (float32 parity runs, other head counts). At 16 heads the two-pass form runs (``head_block``) but
     measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs 25.8 ms per step, both near the
     floor of their float32 dKV reductions (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it
@@ -310,14 +316,21 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
 
     if two_pass.supported(q) and q.shape[1] % two_pass.HEAD_BLOCK == 0:
         return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
-    if (QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None
-            and query_blocks.supported(q, idx)):
-        return query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds))
+    if QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None and query_blocks.supported(q, None):
+        if idx is None or idx.shape[1] == 0:
+            return query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds))
+        # index columns beside the ranges (sparse-phase CSA): the ranges in query blocks (the terms of P and dS
+        # over them use the whole row's lse and delta, so they are exactly their share), the columns per query
+        dq_ranges, dkv, _ = query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds),
+                                                       dq_dtype=torch.float32)
+        return attention_bwd_single_pass(q, kv, idx, None, out, lse, dout, scale, dq_in=dq_ranges, dkv_into=dkv)
     return attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale)
 
 
-def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
-    """One program per (query, output slice): recomputes the scores per slice; any dtype."""
+def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale, dq_in=None, dkv_into=None):
+    """One program per (query, output slice): recomputes the scores per slice; any dtype. ``dq_in`` (float32
+    [T, H, D], optional): a partial dQ of other candidates, added to this one before the cast; ``dkv_into``
+    (float32 [N, D], optional): the buffer the dKV reductions add into (returned), instead of a zeroed one."""
     q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
     T, H, D = q.shape
     kind = _kind(q.dtype)
@@ -326,14 +339,17 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale):
     dout = dout.to(q.dtype).contiguous()
     out = out.contiguous()
     dq = torch.empty_like(q)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    dkv = dkv_into if dkv_into is not None else torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if dq_in is not None and (dq_in.dtype != torch.float32 or dq_in.shape != q.shape or not dq_in.is_contiguous()):
+        raise ValueError(f"dq_in must be a contiguous float32 tensor of q's shape {tuple(q.shape)}, got "
+                         f"{dq_in.dtype} {tuple(dq_in.shape)}")
     if T:
         _sparse_bwd[(T, cfg["n_split"], H // min(cfg["BH"], H))](
-            q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, K, q.stride(0), q.stride(1),
-            scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H), HAS_IDX=has_idx,
-            HAS_RNG=has_rng, PREC=_prec(q.dtype), USE_ASM=q.is_cuda, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            q, kv, idx_t, rng_t, out, dout, lse.contiguous(), dq, dkv, delta, dq_in if dq_in is not None else dq, K,
+            q.stride(0), q.stride(1), scale * LOG2E, scale, H=H, D=D, DV=DV, BN=cfg["BN"], BH=min(cfg["BH"], H),
+            HAS_IDX=has_idx, HAS_RNG=has_rng, PREC=_prec(q.dtype), USE_ASM=q.is_cuda, HAS_DQ_IN=dq_in is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dkv, delta
 
 

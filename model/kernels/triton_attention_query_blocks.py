@@ -1,8 +1,9 @@
 """Query-block backward of the sparse sink attention for range-only layers with 16 or 32 heads (SM90, bf16/fp16).
 
-Where it applies: layers whose candidates are per-query row *ranges* alone (``idx`` None): SWA (the window),
-HCA (the window and every visible ratio-128 entry) and CSA in the dense phase (the window and every visible
-compressed entry). Not yet dispatched: ``triton_attention.attention_bwd`` still runs the single-pass kernel at
+Where it applies: the per-query row *ranges* of a layer: all of its candidates in SWA (the window), HCA (the
+window and every visible ratio-128 entry) and CSA in the dense phase (the window and every visible compressed
+entry); the window beside the top-k index columns of CSA in the sparse phase, whose columns the single-pass
+kernel then takes (``triton_attention.attention_bwd``). Not yet dispatched: ``triton_attention.attention_bwd`` still runs the single-pass kernel at
 16 heads until ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks`` has timed this one on a GPU.
 
 Why: at 16 heads the single-pass backward (``triton_attention._sparse_bwd``, one program per query) is bound by
@@ -188,7 +189,8 @@ def _dq_block_pass(KV, RNG, DS, DQ, NC, CAP0, t0, t_end, sq_t, sq_h, H: tl.const
 
 def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, scale: float, range_bounds: tuple[int, int],
-                  budget_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  budget_bytes: int | None = None, dq_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``triton_attention.sparse_sink_attention`` without index columns, in query blocks.
 
     Args:
@@ -197,8 +199,9 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
         range_bounds: (the longest range 0, the longest range 1) over all queries, in rows: the window and
             the most visible compressed entries (``layer.attention_forward`` knows both on the host).
         budget_bytes: bound on the dS buffer (default ``BUDGET_BYTES``); queries run in chunks that fit it.
+        dq_dtype: dq's dtype (default q's; float32 for a partial dQ another kernel adds to).
     Returns:
-        (dq [T, H, D] q.dtype, dkv [N, D] float32, delta [T, H] float32 = rowsum(dout * out)): the same as
+        (dq [T, H, D] dq_dtype, dkv [N, D] float32, delta [T, H] float32 = rowsum(dout * out)): the same as
         ``triton_attention.attention_bwd_single_pass`` up to the order of the float32 additions.
     Raises:
         ValueError: :func:`supported` is false (dtype, heads, D, index columns), ``CONFIG["dq_form"]`` is
@@ -223,7 +226,7 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
     QB, c = VIRTUAL_HEADS // H, CONFIG
     dout = dout.to(q.dtype).contiguous()
     out, lse, rng = out.contiguous(), lse.contiguous(), ranges.to(torch.int32).contiguous()
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q, dtype=dq_dtype or q.dtype)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     delta = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:

@@ -166,29 +166,32 @@ def query_block_cases(seed: int) -> dict:
 
 def query_block_dispatch(seed: int) -> dict:
     """Through the operator (``sparse_sink_attention`` with ``range_bounds``) and autograd, with
-    ``QUERY_BLOCK_BACKWARD`` on: the gradients against float64 and whether the query-block kernels ran
-    (``not_run`` 1 = they did not); with index columns the single pass runs instead (``ran_with_idx``)."""
+    ``QUERY_BLOCK_BACKWARD`` on, against float64: ranges alone (the query-block kernels take the whole layer) and
+    ranges beside index columns (they take the ranges, the single pass the columns and adds their dQ);
+    ``not_run`` 1 = the query-block kernels did not run once per backward."""
     g = torch.Generator().manual_seed(seed + 9)
     q, kv, sink, idx, _ = problem(g, T=10, H=16, D=64, N=120, K=20, mode="idx")
     ranges = window_like_ranges(g, 10, window=4, first_entry=100, ratio=2)
     g_out = torch.randn(q.shape, generator=g)
-    _, _, (dq_t, dkv_t, dsink_t) = float64_truth(q, kv, sink, None, ranges, g_out, 64 ** -0.5)
-    runs = []
+    runs, res = [], {}
     saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD
     tqb.supported = lambda q, idx: idx is None or idx.shape[1] == 0  # noqa: E731  (float32 in the interpreter)
     tqb.attention_bwd = lambda *a, **k: (runs.append(1), saved[1](*a, **k))[1]  # noqa: E731
     ta.QUERY_BLOCK_BACKWARD = True
     try:
-        qk, kvk, sk = (x.clone().requires_grad_() for x in (q, kv, sink))
-        out, _ = ta.sparse_sink_attention(qk, kvk, None, sk, 64 ** -0.5, ranges, (4, 5))
-        dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
-        with_blocks = len(runs)
-        out, _ = ta.sparse_sink_attention(qk, kvk, idx, sk, 64 ** -0.5, ranges, (4, 5))
-        torch.autograd.grad((out * g_out).sum(), (qk,))
+        for name, columns, rng, bounds in (("ranges", None, ranges, (4, 5)),
+                                           ("ranges+idx", idx, ranges.clone().index_fill_(1, torch.tensor([2, 3]), 0),
+                                            (4, 0))):
+            _, _, (dq_t, dkv_t, dsink_t) = float64_truth(q, kv, sink, columns, rng, g_out, 64 ** -0.5)
+            qk, kvk, sk = (x.clone().requires_grad_() for x in (q, kv, sink))
+            before = len(runs)
+            out, _ = ta.sparse_sink_attention(qk, kvk, columns, sk, 64 ** -0.5, rng, bounds)
+            dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
+            res.update({f"{name} dq": rel(dq, dq_t), f"{name} dkv": rel(dkv, dkv_t), f"{name} dsink": rel(dsink, dsink_t),
+                        f"{name} not_run": float(len(runs) - before != 1)})
     finally:
         tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
-    return dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t), dsink=rel(dsink, dsink_t), not_run=float(with_blocks != 1),
-                ran_with_idx=float(len(runs) != with_blocks))
+    return res
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -138,6 +138,25 @@ def test_query_block_backward_matches_float64(H, budget, kind, dq_form, dq_warps
     assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
 
 
+@pytest.mark.parametrize("with_idx", [False, True], ids=["ranges", "idx+window"])
+def test_query_block_dispatch_matches_float64(with_idx, monkeypatch):
+    """With ``QUERY_BLOCK_BACKWARD`` on, ``attention_bwd`` at 16 heads given ``range_bounds``: ranges alone run
+    in query blocks; beside index columns (sparse-phase CSA) the window runs in query blocks and the single pass
+    takes the columns and adds the window's float32 dQ. Against float64 autograd of the reference."""
+    monkeypatch.setattr(ta, "QUERY_BLOCK_BACKWARD", True)
+    T, H, D = 301, 16, 512
+    q, kv, sink, idx, _ = _problem(T=T, H=H)
+    s = torch.arange(T, device=DEV) % 190  # window rows below 200, where the index columns start (no row in both)
+    pos = s % 95  # segments of 95 rows: a window grows along its segment, as in a pack
+    ranges = torch.stack((s - pos, s + 1, s * 0, s * 0), 1).int()
+    idx = idx if with_idx else None
+    out, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
+    g = torch.randn_like(out)
+    _poison()
+    dq, dkv, delta = ta.attention_bwd(q, kv, idx, ranges, out, lse, g, D ** -0.5, range_bounds=(95, 0))
+    _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta)
+
+
 @pytest.mark.skipif(tb.gluon_pass1_unavailable(torch.zeros(1, 64, 512, device=DEV, dtype=torch.bfloat16)) is not None,
                     reason="the Gluon pass 1 needs an SM90 GPU and a tested Triton release with Gluon")
 @pytest.mark.parametrize("mode", ["idx+ranges", "idx", "ranges"])
