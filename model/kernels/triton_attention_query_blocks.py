@@ -1,10 +1,10 @@
-"""Query-block backward of the sparse sink attention for range-only layers with 16 or 32 heads (SM90, bf16/fp16).
+"""Query-block backward of the sparse sink attention's per-query ranges at 16 or 32 heads (SM90, bf16/fp16).
 
 Where it applies: the per-query row *ranges* of a layer: all of its candidates in SWA (the window), HCA (the
 window and every visible ratio-128 entry) and CSA in the dense phase (the window and every visible compressed
 entry); the window beside the top-k index columns of CSA in the sparse phase, whose columns the single-pass
-kernel then takes (``triton_attention.attention_bwd``). Not yet dispatched: ``triton_attention.attention_bwd`` still runs the single-pass kernel at
-16 heads until ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks`` has timed this one on a GPU.
+kernel then takes (``triton_attention.attention_bwd``). Off until timed on a GPU
+(``triton_attention.QUERY_BLOCK_BACKWARD``; ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``).
 
 Why: at 16 heads the single-pass backward (``triton_attention._sparse_bwd``, one program per query) is bound by
 its float32 dKV reductions: every query adds its own ``[rows, D]`` contribution with atomics, and at the

@@ -187,8 +187,8 @@ def query_block_dispatch(seed: int) -> dict:
             before = len(runs)
             out, _ = ta.sparse_sink_attention(qk, kvk, columns, sk, 64 ** -0.5, rng, bounds)
             dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
-            res.update({f"{name} dq": rel(dq, dq_t), f"{name} dkv": rel(dkv, dkv_t), f"{name} dsink": rel(dsink, dsink_t),
-                        f"{name} not_run": float(len(runs) - before != 1)})
+            res.update({f"{name} dq": rel(dq, dq_t), f"{name} dkv": rel(dkv, dkv_t),
+                        f"{name} dsink": rel(dsink, dsink_t), f"{name} not_run": float(len(runs) - before != 1)})
     finally:
         tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
     return res
