@@ -100,3 +100,13 @@ def test_a_graph_that_captures_no_stage_warns():
     assert unused and "no stage is captured" in unused[0].message and "kernel_backend=triton" in unused[0].fix
     assert not [w for w in validate_file(RECIPES / "bench_h200.yaml", GRAPH).warnings
                 if w.rule_id == "V4-CUDA-GRAPH-UNUSED"]
+
+
+def test_a_graph_on_a_cpu_recipe_is_told_to_turn_it_off_not_to_change_kernels():
+    """On cluster.gpu=cpu the Triton kernels cannot run either (V4-KERNEL-SM90): the one whole fix is to drop the
+    graph, and applying it leaves no graph finding."""
+    report = validate_file(RECIPES / "tiny_cpu.yaml", ["compile.cuda_graph=true"])
+    (unused,) = [w for w in report.warnings if w.rule_id == "V4-CUDA-GRAPH-UNUSED"]
+    assert "compile.cuda_graph=false" in unused.fix and "triton" not in unused.fix
+    fixed = validate_file(RECIPES / "tiny_cpu.yaml", ["compile.cuda_graph=false"])
+    assert not [f for f in [*fixed.violations, *fixed.warnings] if f.rule_id.startswith("V4-CUDA-GRAPH")]

@@ -73,7 +73,9 @@ def check_cuda_graph_used(ctx: Context):
     eager = [st.name for st in r.curriculum.stages if graph_free_reason(
         st.phase, st.effective_indexer_loss, st.kernel_backend or r.attention.kernel_backend)]
     if len(eager) == len(r.curriculum.stages):
+        fix = ("set compile.cuda_graph=false (a CPU run has no graph to capture)" if r.cluster.gpu == "cpu"
+               else "set attention.kernel_backend=triton, or compile.cuda_graph=false")
         return ctx.finding("compile.cuda_graph", True, "compile.cuda_graph=true, but no stage is captured: every "
-                           f"stage ({', '.join(eager)}) runs without a graph (`v4launch explain V4-CUDA-GRAPH`)")
+                           f"stage ({', '.join(eager)}) runs without a graph (`v4launch explain V4-CUDA-GRAPH`)", fix)
     return ctx.ok("compile.cuda_graph", True, f"{len(r.curriculum.stages) - len(eager)} of "
                   f"{len(r.curriculum.stages)} stages replay a captured step")
