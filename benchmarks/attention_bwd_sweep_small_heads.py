@@ -150,8 +150,8 @@ def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
     for kind in kinds:
         q, kv, idx, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)
         out, lse = ta.attention_fwd(q, kv, idx, torch.zeros(a.heads, device="cuda"), scale, ranges)
-        ratio = {"csa": 4, "hca": 128, "swa": 0, "csa_dense": 4}[kind]
-        bounds = (128, a.seg // ratio if ratio and idx is None else 0)  # the window; a segment's entries at most
+        # the longest window and entry range (the layer states them from its plan; here read off the ranges)
+        bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
         problems[kind] = (q, kv, idx, ranges, out, lse, torch.randn_like(out), bounds)
 
     def bwd(p):

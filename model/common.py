@@ -173,13 +173,12 @@ class QueuedRead:
             self.host = stacked
             self.ready_at = time.monotonic()
 
-    def poll(self, now: float) -> bool:
-        """Whether the values are on the host, without waiting (``cudaEventQuery``); the first time they are,
-        ``ready_at`` becomes ``now``. A caller that polls before queueing more work bounds the end of a step
-        the host outran by the moment it looked, instead of by its later read."""
+    def poll(self, now: float) -> None:
+        """Without waiting (``cudaEventQuery``): if the values are on the host and ``ready_at`` is unset, it
+        becomes ``now`` (seconds, ``time.monotonic()``). A caller that polls before queueing more work bounds
+        the end of a step the host outran by the moment it looked, instead of by its later read."""
         if self.ready_at is None and self.event is not None and self.event.query():
             self.ready_at = now
-        return self.ready_at is not None or self.host is None
 
     def values(self) -> dict[str, float]:
         """name -> float; waits for the device work queued before this read was, and for nothing queued after."""

@@ -316,7 +316,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
 
     if two_pass.supported(q) and q.shape[1] % two_pass.HEAD_BLOCK == 0:
         return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
-    if QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None and query_blocks.supported(q, None):
+    if QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None and query_blocks.supported(q):
         if idx is None or idx.shape[1] == 0:
             return query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds))
         # index columns beside the ranges (sparse-phase CSA): the ranges in query blocks (the terms of P and dS

@@ -54,11 +54,11 @@ BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 UNION_END = tl.constexpr(2 ** 30)  # larger than any kv row: the start of an empty union
 
 
-def supported(q: torch.Tensor, idx: torch.Tensor | None) -> bool:
-    """bf16 / fp16 q [T, H, D] with H in (16, 32), D a multiple of 16 * NP, and no index columns."""
+def supported(q: torch.Tensor) -> bool:
+    """bf16 / fp16 q [T, H, D] with H in (16, 32) and D a multiple of 16 * NP (the kernels take ranges only:
+    index columns stay with the caller)."""
     H, D = q.shape[1], q.shape[2]
-    return (q.dtype in (torch.bfloat16, torch.float16) and H in (16, 32) and D % (16 * CONFIG["NP"]) == 0
-            and (idx is None or idx.shape[1] == 0))
+    return q.dtype in (torch.bfloat16, torch.float16) and H in (16, 32) and D % (16 * CONFIG["NP"]) == 0
 
 
 @triton.jit
@@ -204,11 +204,11 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
         (dq [T, H, D] dq_dtype, dkv [N, D] float32, delta [T, H] float32 = rowsum(dout * out)): the same as
         ``triton_attention.attention_bwd_single_pass`` up to the order of the float32 additions.
     Raises:
-        ValueError: :func:`supported` is false (dtype, heads, D, index columns), ``CONFIG["dq_form"]`` is
+        ValueError: :func:`supported` is false (dtype, heads, D), ``CONFIG["dq_form"]`` is
             neither "query" nor "block", a bound is negative, or
             (ranges on the host only: no device read here) a range is longer than its bound.
     """
-    if not supported(q, None):
+    if not supported(q):
         raise ValueError(f"query-block backward needs bf16/fp16 q with 16 or 32 heads and D % "
                          f"{16 * CONFIG['NP']} == 0, got {q.dtype} {tuple(q.shape)}; use "
                          "triton_attention.attention_bwd_single_pass")

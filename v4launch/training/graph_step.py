@@ -81,7 +81,7 @@ class CapturedStep:
         self.outputs: dict[str, torch.Tensor] = {}
         self.writes_grads = accum == 1
         """The replay writes the gradients (one micro-batch per step): the step must not zero them."""
-        self._grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def release(self) -> None:
         """The stage's end: every parameter's ``.grad`` captured by the graph is dropped (None), so that the next

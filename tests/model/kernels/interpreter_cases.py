@@ -17,6 +17,7 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from v4launch.model.kernels import reference as ref  # noqa: E402
 from v4launch.model.kernels import triton_attention as ta  # noqa: E402
@@ -142,10 +143,10 @@ def query_block_cases(seed: int) -> dict:
         g_out = torch.randn(q.shape, generator=g)
         out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, None, ranges, g_out, scale)
         saved = tqb.supported, dict(tqb.CONFIG)
-        tqb.supported = lambda q, idx: True  # noqa: E731  (the interpreter runs float32)
+        tqb.supported = lambda q: True  # noqa: E731  (the interpreter runs float32)
         tqb.CONFIG.update(BN=16, BNQ=16, dq_form=dq_form)
         try:
-            budget = 8 * H * (triton_cdiv(bounds[0], 16) + triton_cdiv(bounds[1], 16)) * 16 * 4  # 8 queries
+            budget = 8 * H * sum(triton.cdiv(max(b, 1), 16) * 16 for b in bounds) * 4  # 8 queries' dS
             dq, dkv, delta = tqb.attention_bwd(q, kv, ranges, out_t.float(), lse_t.float(), g_out, scale,
                                                bounds, budget_bytes=budget)
         finally:
@@ -175,7 +176,7 @@ def query_block_dispatch(seed: int) -> dict:
     g_out = torch.randn(q.shape, generator=g)
     runs, res = [], {}
     saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD
-    tqb.supported = lambda q, idx: idx is None or idx.shape[1] == 0  # noqa: E731  (float32 in the interpreter)
+    tqb.supported = lambda q: True  # noqa: E731  (float32 in the interpreter)
     tqb.attention_bwd = lambda *a, **k: (runs.append(1), saved[1](*a, **k))[1]  # noqa: E731
     ta.QUERY_BLOCK_BACKWARD = True
     try:
@@ -192,10 +193,6 @@ def query_block_dispatch(seed: int) -> dict:
     finally:
         tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
     return res
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return max(1, -(-a // b))
 
 
 def teacher_and_indexer_cases(seed: int) -> dict:

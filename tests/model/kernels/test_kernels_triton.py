@@ -130,7 +130,7 @@ def test_query_block_backward_matches_float64(H, budget, kind, dq_form, dq_warps
     bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
     out, lse = ta.attention_fwd(q, kv, None, sink, D ** -0.5, ranges)
     g = torch.randn_like(out)
-    assert tqb.supported(q, None)
+    assert tqb.supported(q)
     _poison()
     dq, dkv, delta = tqb.attention_bwd(q, kv, ranges, out, lse, g, D ** -0.5, bounds, budget_bytes=budget)
     _check_backward_against_float64(q, kv, sink, None, ranges, g, dq, dkv, delta)
