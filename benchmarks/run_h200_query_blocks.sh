@@ -18,7 +18,7 @@ fi
 if [[ " $PARTS " == *" sweep "* ]]; then
     (cd /tmp && timeout ${SWEEP_TIMEOUT:-120} python3 $REPO/benchmarks/attention_bwd_sweep_small_heads.py \
         --heads 16 --query-blocks --out $OUT > $OUT/attention_bwd_query_blocks_h16.txt 2>&1
-     echo "sweep exit $?"; sed -n '/^range-only backward/,$p' $OUT/attention_bwd_query_blocks_h16.txt)
+     echo "sweep exit $?"; sed -n '/^attention backward, /,$p' $OUT/attention_bwd_query_blocks_h16.txt)
 fi
 if [[ " $PARTS " == *" step "* ]]; then
     for variant in "" "--query-blocks"; do
