@@ -3,9 +3,9 @@
 # under 600 s: its GPU tests (bf16 against float64, compiled at the shipped config), the per-layer sweep against
 # the single-pass kernel (benchmarks/attention_bwd_sweep_small_heads.py --query-blocks), then the benchmark step
 # in PHASE (default sparse; dense also routes its CSA layers) with and without it (train_step.py --compile
-# --cuda-graph [--query-blocks]). The three parts may not fit one call together: PARTS="tests sweep", then PARTS=step.
+# --cuda-graph [--no-query-blocks]). The three parts may not fit one call together: PARTS="tests sweep", then PARTS=step.
 # Writes under $OUT: gpu_tests.txt, attention_bwd_query_blocks_h16.json and the sweep's table, and
-# $PHASE{,_query_blocks}/train_step.{txt,json}. TESTS_TIMEOUT (120), SWEEP_TIMEOUT (120), STEP_TIMEOUT (150) bound
+# $PHASE{_single_pass,}/train_step.{txt,json}. TESTS_TIMEOUT (120), SWEEP_TIMEOUT (120), STEP_TIMEOUT (200) bound
 # the parts; PARTS (default "tests sweep step") picks them.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
@@ -21,12 +21,12 @@ if [[ " $PARTS " == *" sweep "* ]]; then
      echo "sweep exit $?"; sed -n '/^attention backward, /,$p' $OUT/attention_bwd_query_blocks_h16.txt)
 fi
 if [[ " $PARTS " == *" step "* ]]; then
-    for variant in "" "--query-blocks"; do
-        dir=$OUT/${PHASE:-sparse}${variant:+_query_blocks}
+    for variant in "--no-query-blocks" ""; do
+        dir=$OUT/${PHASE:-sparse}${variant:+_single_pass}
         mkdir -p $dir
-        (cd /tmp && timeout ${STEP_TIMEOUT:-150} python3 $REPO/benchmarks/train_step.py --compile --cuda-graph \
+        (cd /tmp && timeout ${STEP_TIMEOUT:-200} python3 $REPO/benchmarks/train_step.py --compile --cuda-graph \
             --phases ${PHASE:-sparse} --parity-tokens 0 --out $dir $variant > $dir/train_step.txt 2>&1
-         echo "step ${variant:-single-pass} exit $?")
+         echo "step ${variant:-query-blocks} exit $?")
         grep -E "^(dense|sparse) |peak measured" $dir/train_step.txt | sort -u
     done
 fi

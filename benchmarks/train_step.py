@@ -8,7 +8,7 @@
     python benchmarks/train_step.py --phases sparse --sync-trace         # where the step waits on the GPU
     python benchmarks/train_step.py --compile --cuda-graph               # the whole step as one CUDA graph
     python benchmarks/train_step.py --compile --cuda-graph --fp32-params # float32 parameters under bf16 autocast
-    python benchmarks/train_step.py --compile --cuda-graph --query-blocks # range-only layers' backward in query blocks
+    python benchmarks/train_step.py --compile --cuda-graph --no-query-blocks # range-only layers' backward in the single pass
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -25,8 +25,8 @@ Levers (issue 17), each on by default and switchable for A/B measurements:
   --no-fused-ce    LM/MTP heads as a whole [T, vocab] float32 logits tensor (loss.set_fused_head)
   --no-fused-mhc   eager mHC mixing on CUDA (mhc.set_fused_mixing)
   --cu-on-device   cu_seqlens on the GPU (the model then reads it back: one more sync per forward)
-  --query-blocks   the range-only layers' attention backward in query blocks (triton_attention.QUERY_BLOCK_BACKWARD;
-                   off by default until measured: SWA and HCA layers, and CSA in the dense phase)
+  --no-query-blocks  the range-only layers' attention backward in the single-pass kernel instead of query blocks
+                   (triton_attention.QUERY_BLOCK_BACKWARD, on by default: SWA and HCA layers, CSA's window)
   --compile        compile.compile_blocks (off by default)
 
 Columns: ms/step (CUDA events, median of --steps), host ms (wall time until the host returns from
@@ -392,8 +392,8 @@ def main() -> None:
     ap.add_argument("--no-wide-gemm", action="store_true")
     ap.add_argument("--no-fused-ce", action="store_true")
     ap.add_argument("--no-fused-mhc", action="store_true")
-    ap.add_argument("--query-blocks", action="store_true", help="range-only layers' attention backward in query "
-                    "blocks (triton_attention.QUERY_BLOCK_BACKWARD)")
+    ap.add_argument("--no-query-blocks", action="store_true", help="range-only layers' attention backward in the "
+                    "single pass, not in query blocks (triton_attention.QUERY_BLOCK_BACKWARD off)")
     ap.add_argument("--cu-on-device", action="store_true")
     ap.add_argument("--parity-tokens", type=int, default=2048, help="0 = no parity check")
     ap.add_argument("--parity-phase", default="sparse", choices=["dense", "warmup", "sparse"])
@@ -408,10 +408,10 @@ def main() -> None:
     matmul.set_wide_gemm(not a.no_wide_gemm)
     loss_mod.set_fused_head(not a.no_fused_ce)
     mhc.set_fused_mixing(not a.no_fused_mhc)
-    if a.query_blocks:
+    if a.no_query_blocks:
         from v4launch.model.kernels import triton_attention
 
-        triton_attention.QUERY_BLOCK_BACKWARD = True
+        triton_attention.QUERY_BLOCK_BACKWARD = False
     peaks = matmul_peaks()
     res = dict(env=environment(a), peak_tflops_sustained=peaks[0], peak_tflops_burst=peaks[1], rows=[], parity=[])
     for phase in a.phases.split(","):

@@ -295,10 +295,11 @@ def _forward(q, kv, idx, sink, scale, ranges):
     return out, lse, lse_sel
 
 
-QUERY_BLOCK_BACKWARD = False
+QUERY_BLOCK_BACKWARD = True
 """Run range-only layers at 16 / 32 heads through ``triton_attention_query_blocks`` (where the caller states
-``range_bounds``). Off until timed on a GPU: ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``
-per layer, ``benchmarks/train_step.py --query-blocks`` per step."""
+``range_bounds``). On since timed on the H200 (2026-12-03, benchmarks/results/
+attention_bwd_query_blocks_h16_h200_2026-12-03_799d8ff.txt): 3.8 ms less per sparse benchmark step and 14-15 ms
+less per dense one than the single pass; ``benchmarks/train_step.py --no-query-blocks`` turns it off for an A/B."""
 
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):

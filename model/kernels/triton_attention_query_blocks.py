@@ -3,8 +3,8 @@
 Where it applies: the per-query row *ranges* of a layer: all of its candidates in SWA (the window), HCA (the
 window and every visible ratio-128 entry) and CSA in the dense phase (the window and every visible compressed
 entry); the window beside the top-k index columns of CSA in the sparse phase, whose columns the single-pass
-kernel then takes (``triton_attention.attention_bwd``). Off until timed on a GPU
-(``triton_attention.QUERY_BLOCK_BACKWARD``; ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``).
+kernel then takes (``triton_attention.attention_bwd``). Dispatched by default (``triton_attention.QUERY_BLOCK_BACKWARD``;
+timed per layer by ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``).
 
 Why: at 16 heads the single-pass backward (``triton_attention._sparse_bwd``, one program per query) is bound by
 its float32 dKV reductions: every query adds its own ``[rows, D]`` contribution with atomics, and at the
@@ -49,7 +49,9 @@ VIRTUAL_HEADS = 64
 """Query rows per pass-1 program: QB = VIRTUAL_HEADS / H consecutive queries of H heads."""
 CONFIG = dict(BN=64, NP=4, num_warps=8, num_stages=1, BNQ=64, dq_form="query", dq_warps=4, dq_stages=2)
 """Pass 1: BN kv rows per tile, [q; dO] in NP column parts; pass 2: BNQ kv rows per tile, per query or per
-block (``dq_form``). Not tuned yet."""
+block (``dq_form``). The best of eight configs for the sparse step in the H200 sweep of 2026-12-03
+(benchmarks/results/attention_bwd_query_blocks_h16_h200_2026-12-03_799d8ff.txt); ``dq_form="block"`` with 8 warps
+tied it there and was 0.15 ms faster per dense CSA layer, not switched: the product was measured with this one."""
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 UNION_END = tl.constexpr(2 ** 30)  # larger than any kv row: the start of an empty union
 
