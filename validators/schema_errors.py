@@ -159,17 +159,17 @@ def _unknown_key(loc: tuple, src: str) -> tuple[str, str]:
 
 
 def _fix(err: dict, path: str) -> str | None:
-    """The concrete fix of a bound, length or choice error."""
+    """The concrete fix of a bound, length or choice error (printed after "hint: ")."""
     kind, ctx = err["type"], err.get("ctx") or {}
     if kind in BOUND_WORDS:
         bound = next(iter(ctx.values()), None)
-        return f"fix: set {path} to a value {BOUND_WORDS[kind]} {bound}"
+        return f"set {path} to a value {BOUND_WORDS[kind]} {bound}"
     if kind in ("too_long", "string_too_long"):
-        return f"fix: shorten {path} to at most {ctx.get('max_length')} {'characters' if 'string' in kind else 'items'}"
+        return f"shorten {path} to at most {ctx.get('max_length')} {'characters' if 'string' in kind else 'items'}"
     if kind == "literal_error":
         choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         guess = did_you_mean(str(err.get("input")), choices) if isinstance(err.get("input"), str) else []
-        return f"fix: {'did you mean ' + repr(guess[0]) + '? ' if guess else ''}valid: {', '.join(choices)}"
+        return f"{'did you mean ' + repr(guess[0]) + '? ' if guess else ''}set {path} to one of: {', '.join(choices)}"
     return None
 
 
@@ -232,7 +232,7 @@ def _one(err: dict, where: Callable[[str], str], fallback: str) -> tuple[str, st
     if kind in ("model_type", "model_attributes_type", "dict_type") and _model(_annotation_at(loc)) is not None:
         keys = valid_keys(loc)
         return (f"{src}: {path} = {_value(err.get('input'))}: {path} is a section of keys ({', '.join(keys)}), "
-                "not a single value"), (f"fix: set its keys, e.g. {path}.{keys[0]}=... on the command line, or "
+                "not a single value"), (f"set its keys, e.g. {path}.{keys[0]}=... on the command line, or "
                                         f"{path}: {{{keys[0]}: ...}} in the YAML")
     desc = field_description(loc)
     fix = _fix(err, path)

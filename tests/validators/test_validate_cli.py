@@ -187,6 +187,19 @@ def test_explain(in_tmp: Path):
     assert code == 0 and all(rid in out for rid in RULES)
     code, out, _, _ = invoke(["explain", "V4-TP-ONE", "--json"])
     assert json.loads(out)["source"].startswith("Megatron")
+    code, out, err, _ = invoke(["explain", " "])  # an empty id: its own error, not the whole rule table
+    assert code == 2 and "rule id is empty" in err and "V4-TP-ONE" not in err + out
+
+
+def test_explain_wraps_a_long_value_under_itself():
+    """A value longer than the line (V4-MEMORY's fields) continues in its own column, not under the labels."""
+    code, out, _, _ = invoke(["explain", "V4-MEMORY"])
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  fields:"))
+    column = lines[start].index("cluster.")
+    tail = lines[start + 1:next(i for i, line in enumerate(lines) if line.startswith("  fix:"))]
+    assert tail and all(line[:column].strip() == "" and line[column:].strip() for line in tail), lines
+    assert " ".join(" ".join(lines[start:start + 1 + len(tail)]).split()).count("curriculum.stages.*.cp") == 1
 
 
 def test_explain_prints_fixes_and_sources_whole():

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ..errors import UsageError
 from .common import OUT, JsonOpt
@@ -65,6 +66,9 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
         else:
             _list_rules()
         return
+    if not rule_id.strip():
+        raise UsageError("the rule id is empty", hint="pass one, e.g. `v4launch explain V4-MEMORY`, or none: "
+                                                      "`v4launch explain` lists every rule")
     rule = _lookup(rule_id)
     if rule is None:
         # compared without the "V4-" every id shares (it made V4-NOPE look close to V4-RECOMPUTE)
@@ -87,6 +91,10 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
         return
     con = OUT.console
     con.print(f"[bold]{rule.id}[/bold]  ({rule.severity}, checked {'once per recipe' if rule.scope == 'recipe' else 'per curriculum stage'})")
+    grid = Table.grid(padding=(0, 1))  # two columns: a long value wraps under itself, not under the labels
+    grid.add_column(no_wrap=True)
+    grid.add_column()
     for label, text in (("rule", rule.statement), ("source", rule.source), ("fields", ", ".join(rule.fields)),
                         ("fix", rule.fix)):  # plain text: "[...]" in a fix is a YAML list, not console markup
-        con.print(f"  {label + ':':7} {escape(text)}")
+        grid.add_row(f"  {label}:", Text(text))
+    con.print(grid)
