@@ -10,8 +10,9 @@ heads) or ``["lp"]``. ``--two-pass``: ``triton_attention_bwd`` with one head blo
 single-pass kernel's current config as the first row, so the table says which backward to dispatch.
 ``--query-blocks``: the backward as dispatched (``triton_attention.attention_bwd`` given the layer's
 ``range_bounds``) with ``QUERY_BLOCK_BACKWARD`` off, then on at each config in ``QUERY_BLOCK_CONFIGS``
-(``triton_attention_query_blocks``: blocks of 64 / H queries over the ranges; beside CSA's index columns the
-single pass takes those): CSA, HCA and SWA as the sparse phase runs them and CSA in the dense phase
+(``triton_attention_query_blocks``: blocks of 64 / H queries over the ranges; CSA's top-k columns as a masked
+span of a segment's entries, ``csa``, or with no span bound in the single pass, ``csa_split``): CSA, HCA and SWA
+as the sparse phase runs them and CSA in the dense phase
 (``csa_dense``: the window and every visible ratio-4 entry as ranges), with the saving per sparse step
 (4 CSA + 3 HCA + 2 SWA) and per dense step (4 dense CSA + 3 HCA + 2 SWA). This
 times it at the benchmark model's layers (benchmarks/train_step.py: 8,192 tokens as 2 x 4,096, D 512,
@@ -146,12 +147,16 @@ def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
     writes attention_bwd_query_blocks_h<H>.json."""
     from v4launch.model.kernels import triton_attention_query_blocks as tqb
 
-    kinds, problems = ("csa", "hca", "swa", "csa_dense"), {}
+    kinds, problems = ("csa", "csa_split", "hca", "swa", "csa_dense"), {}
     for kind in kinds:
-        q, kv, idx, ranges = layer_problem(kind, a.tokens, a.seg, a.heads, D, 128, 512, gen)
+        q, kv, idx, ranges = layer_problem(kind.removesuffix("_split"), a.tokens, a.seg, a.heads, D, 128, 512, gen)
         out, lse = ta.attention_fwd(q, kv, idx, torch.zeros(a.heads, device="cuda"), scale, ranges)
-        # the longest window and entry range (the layer states them from its plan; here read off the ranges)
+        # the longest window and entry range (the layer states them from its plan; here read off the ranges);
+        # sparse CSA: the span of the top-k columns bounded by a segment's entries (the layer's plan.max_entries),
+        # csa_split: no span bound, so the columns stay in the single pass
         bounds = tuple(int((ranges[:, 2 * r + 1] - ranges[:, 2 * r]).clamp_min(0).max()) for r in range(2))
+        if kind == "csa":
+            bounds = (bounds[0], a.seg // 4)
         problems[kind] = (q, kv, idx, ranges, out, lse, torch.randn_like(out), bounds)
 
     def bwd(p):
@@ -186,7 +191,7 @@ def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
     print_table(f"attention backward, {a.heads} heads x {D}, {a.tokens} tokens as {a.tokens // a.seg} x {a.seg}; "
                 f"{torch.cuda.get_device_name()}; saving per benchmark step against the single-pass kernel", rows,
                 [("kernel", -12, lambda r: r["kernel"]), ("config", -40, lambda r: str(r["cfg"] or "-")),
-                 *[(f"{k} ms", 12 if k == "csa_dense" else 7, lambda r, k=k: f"{r['ms'][k]:.2f}") for k in kinds],
+                 *[(f"{k} ms", max(7, len(k) + 3), lambda r, k=k: f"{r['ms'][k]:.2f}") for k in kinds],
                  ("sparse save", 11, lambda r: f"{r['sparse_saving_ms']:.2f}"),
                  ("dense save", 10, lambda r: f"{r['dense_saving_ms']:.2f}"), ("err", 8, lambda r: f"{r['err']:.1e}")])
     with open(os.path.join(a.out, f"attention_bwd_query_blocks_h{a.heads}.json"), "w") as f:

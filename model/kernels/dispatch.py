@@ -37,7 +37,8 @@ class Backend:
         range_bounds=None) -> (out [T,H,D], lse [T,H], selected_lse [T,H] | None); differentiable in q, kv, sink.
         ``selected_lse`` (added): each head's log-sum-exp over the valid idx slots alone, where the backend's
         forward has it on the way (Triton), else None. ``range_bounds`` (added): (longest range 0, longest
-        range 1) in rows, host ints, or None; the Triton backward may use it (``QUERY_BLOCK_BACKWARD``).
+        range 1; beside idx, range 1 empty, the longest span of a query's idx columns) in rows, host ints, or
+        None; the Triton backward may use it (``triton_attention.QUERY_BLOCK_BACKWARD``).
     indexer_topk(q [T,HI,dI], w [T,HI], keys [C,dI], first [T], n_visible [T], topk, max_entries)
         -> idx [T, min(topk, max_entries)] int32 global entry ids, -1 = masked.
     head_avg_probs(q, kv, idx, scale, selected_lse=None) -> [T, K] float: the sparse-phase KL teacher;

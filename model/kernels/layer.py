@@ -139,8 +139,9 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
                 b_hi = b_lo + nvis
     kv_all = kv if comp is None else torch.cat((kv, comp.to(kv.dtype)))
     ranges = torch.stack((a_lo, e + 1, b_lo, b_hi), 1).to(torch.int32)
-    # the longest window and entry range any query has, known on the host (the plan's bound on a segment)
-    bounds = (attn.window_size, plan.max_entries if comp is not None and idx is None else 0)
+    # the longest window and entry range any query has, known on the host (the plan's bound on a segment); beside
+    # index columns, range 1 empty, the same bound holds their span (a query's columns are among its visible entries)
+    bounds = (attn.window_size, plan.max_entries if comp is not None else 0)
     o, _lse, selected_lse = backend.sparse_sink_attention(q, kv_all, idx, attn.attn_sink, attn.softmax_scale, ranges,
                                                           bounds)
     o = apply_rope(o.to(x.dtype), cos, sin, inverse=True)

@@ -301,13 +301,24 @@ QUERY_BLOCK_BACKWARD = True
 attention_bwd_query_blocks_h16_h200_2026-12-03_799d8ff.txt): 3.8 ms less per sparse benchmark step and 14-15 ms
 less per dense one than the single pass; ``benchmarks/train_step.py --no-query-blocks`` turns it off for an A/B."""
 
+SPAN_PER_COLUMN = 2
+"""Index columns run in query blocks as their span (:func:`triton_attention_query_blocks.index_span`) where the
+caller's bound on a query's span is at most this many rows per column: the span's unselected rows cost work
+(P = 0) but neighbouring queries share its kv tiles. 2 is the measured point: sparse-phase CSA of the benchmark
+model (1,024 visible entries per segment of 4,096 tokens, top-k 512), whose dense-phase backward over every
+entry took 2.3-2.5 ms per layer against 4.0 ms for the 512 columns in the single pass (H200, 2026-12-03).
+Longer spans (long context: tens of thousands of entries against 512 columns) keep the columns per query."""
+
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
     """(dq, dkv float32, delta) of :func:`sparse_sink_attention`: the two-pass kernels
     (``triton_attention_bwd``) where they apply and pay (bf16/fp16, heads % 64 == 0); with
     :data:`QUERY_BLOCK_BACKWARD` on, layers at 16 / 32 heads whose caller gave ``range_bounds``
-    through the query-block kernels (``triton_attention_query_blocks``; with index columns their ranges only,
-    the columns then in the single pass, which adds the ranges' dQ); else the single-pass kernel below
+    through the query-block kernels (``triton_attention_query_blocks``). With index columns, ``range_bounds[1]``
+    bounds the span of a query's columns (largest - smallest + 1; range 1 must then be empty): a span of at most
+    :data:`SPAN_PER_COLUMN` rows per column runs as a masked range in query blocks; otherwise (or with no span
+    bound, 0) the ranges run in query blocks and the columns in the single pass, which adds the ranges' dQ.
+    Else the single-pass kernel below
     (float32 parity runs, other head counts). At 16 heads the two-pass form runs (``head_block``) but
     measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs 25.8 ms per step, both near the
     floor of their float32 dKV reductions (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it
@@ -320,9 +331,16 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
     if QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None and query_blocks.supported(q):
         if idx is None or idx.shape[1] == 0:
             return query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds))
-        # index columns beside the ranges (sparse-phase CSA): the ranges in query blocks (the terms of P and dS
-        # over them use the whole row's lse and delta, so they are exactly their share), the columns per query
-        dq_ranges, dkv, _ = query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, tuple(range_bounds),
+        window, span = range_bounds
+        if not ranges.is_cuda and bool((ranges[:, 3] > ranges[:, 2]).any()):
+            raise ValueError("range_bounds beside index columns: range 1 must be empty (range_bounds[1] bounds the "
+                             "columns' span); pass range_bounds=None for ranges and columns together")
+        if 0 < span <= SPAN_PER_COLUMN * idx.shape[1]:  # the columns as a masked span, in query blocks
+            spans, selected = query_blocks.index_span(idx, ranges, span)
+            return query_blocks.attention_bwd(q, kv, spans, out, lse, dout, scale, (window, span), selected=selected)
+        # the window in query blocks (the terms of P and dS over it use the whole row's lse and delta, so they are
+        # exactly its share), the columns per query in the single pass
+        dq_ranges, dkv, _ = query_blocks.attention_bwd(q, kv, ranges, out, lse, dout, scale, (window, 0),
                                                        dq_dtype=torch.float32)
         return attention_bwd_single_pass(q, kv, idx, None, out, lse, dout, scale, dq_in=dq_ranges, dkv_into=dkv)
     return attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale)
@@ -405,8 +423,9 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch
                           range_bounds: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`v4launch.model.kernels.reference.sparse_sink_attention`
     (same arguments and results; ``lse`` float32; gradients for q, kv, sink). ``range_bounds``: the longest
-    range 0 and range 1 of any query, in rows (host ints: the window, the most visible compressed entries),
-    which lets the backward run range-only layers in query blocks (:data:`QUERY_BLOCK_BACKWARD`); None: unknown.
+    range 0 and range 1 of any query, in rows (host ints: the window, the most visible compressed entries);
+    beside index columns, range 1 being empty, the longest span of a query's columns instead. It lets the
+    backward run in query blocks (:data:`QUERY_BLOCK_BACKWARD`, :func:`attention_bwd`); None: unknown.
 
     A custom operator (``torch.ops.v4launch.sparse_sink_attention``, its backward another): a compiled
     caller (a block of ``compile.compile_blocks``) keeps one graph around it and calls the operator,

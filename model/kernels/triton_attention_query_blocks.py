@@ -72,11 +72,13 @@ def _union(lo, hi):
 
 
 @triton.jit
-def _dkv_block_pass(Q, KV, RNG, O, DO, LSE, DELTA, DKV, DS, NC, CAP0, CAP1, t0, t_end, sq_t, sq_h, qk_scale,
-                    sm_scale, H: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr,
-                    NP: tl.constexpr, USE_ASM: tl.constexpr):
+def _dkv_block_pass(Q, KV, RNG, O, DO, LSE, DELTA, DKV, DS, SEL, NC, CAP0, CAP1, SELW, t0, t_end, sq_t, sq_h,
+                    qk_scale, sm_scale, H: tl.constexpr, D: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr,
+                    NP: tl.constexpr, HAS_SEL: tl.constexpr, USE_ASM: tl.constexpr):
     """Program b: queries t0 + b * QB ... (those below t_end), virtual row r = (query r // H, head r % H).
-    Q, O, DO share strides (sq_t, sq_h, 1); DKV float32 [N, D]; DS [Tc, H, NC] (query t's row t - t0)."""
+    Q, O, DO share strides (sq_t, sq_h, 1); DKV float32 [N, D]; DS [Tc, H, NC] (query t's row t - t0);
+    HAS_SEL: SEL uint8 [T, SELW], query t attends row lo1 + j of its range 1 only where SEL[t, j] != 0 (its
+    other range-1 rows get P = 0, so dS = 0 in their slots and no dKV)."""
     R: tl.constexpr = QB * H
     P: tl.constexpr = D // NP
     first = t0 + tl.program_id(0) * QB
@@ -119,12 +121,18 @@ def _dkv_block_pass(Q, KV, RNG, O, DO, LSE, DELTA, DKV, DS, NC, CAP0, CAP1, t0, 
         in_union = rows < tl.where(in0, u_hi0, u_hi1)
         lo = tl.where(in0, lo0, lo1)
         own = (rows[:, None] >= lo[None, :]) & (rows[:, None] < tl.where(in0, hi0, hi1)[None, :]) & live[None, :]
+        attended = own
+        if HAS_SEL:  # range 1 is an index-column span: the rows between the columns are not attended
+            in1 = tl.zeros([BN, R], tl.int32) + j >= n0  # a full-shape term: the interpreter refuses a scalar one
+            chosen = tl.load(SEL + t_r.to(tl.int64)[None, :] * SELW + (rows[:, None] - lo[None, :]),
+                             mask=own & in1, other=1)
+            attended = own & (chosen != 0)
         kp = KV + rows.to(tl.int64)[:, None] * D + offs_c[None, :]
         sd = tl.zeros([BN, 2 * R], tl.float32)  # [S^T | dP^T]: one product with N = 2 * R
         for i in tl.static_range(NP):
             sd = tl.dot(tl.load(kp + i * P, mask=in_union[:, None], other=0.0), tl.trans(qdo[i]), sd)
         st, dpt = tl.split(tl.permute(tl.reshape(sd, [BN, 2, R]), (0, 2, 1)))
-        pt = tl.where(own, tl.math.exp2(st * qk_scale - lse2[None, :]), 0.0)
+        pt = tl.where(attended, tl.math.exp2(st * qk_scale - lse2[None, :]), 0.0)
         dsb = (pt * (dpt - delta[None, :]) * sm_scale).to(Q.dtype.element_ty)
         slot = tl.where(in0, 0, CAP0) + rows[:, None] - lo[None, :]
         tl.store(DS + ds_row[None, :] * NC + slot, dsb, mask=own)
@@ -189,11 +197,43 @@ def _dq_block_pass(KV, RNG, DS, DQ, NC, CAP0, t0, t_end, sq_t, sq_h, H: tl.const
              acc.to(DQ.dtype.element_ty), mask=live[:, None])
 
 
+def index_span(idx: torch.Tensor, ranges: torch.Tensor, span_bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index columns as a range 1 and a selection mask, for :func:`attention_bwd` (``selected``).
+
+    Args:
+        idx: [T, K] int kv rows, -1 = no column; the columns of one query are distinct.
+        ranges: [T, 4] int with range 1 (columns 2, 3) empty: the index columns take its place.
+        span_bound: the longest span (largest - smallest column + 1) of any query's columns, in rows.
+    Returns:
+        (ranges [T, 4] int32 whose range 1 is each query's span [smallest, largest + 1), empty without a column;
+        selected uint8 [T, span_bound + 1]: 1 at (t, column - smallest) for each of query t's columns, 0
+        elsewhere; the last column absorbs the -1 slots). All on idx's device, no host read (capturable).
+    Raises: ValueError (CPU idx only: no device read) when a span is longer than ``span_bound``.
+    The span's rows that are not columns keep P = 0, so the query-block backward over the span gives the
+    columns' gradients exactly; it pays where the span is not much longer than K (sparse-phase CSA at short
+    context: every visible entry of a segment of 4,096 tokens at ratio 4 is 1,024 rows against 512 columns).
+    """
+    valid = idx >= 0
+    some = valid.any(1)
+    lo = torch.where(valid, idx, torch.iinfo(idx.dtype).max).amin(1)
+    hi = torch.where(valid, idx, -1).amax(1) + 1
+    lo, hi = torch.where(some, lo, 0), torch.where(some, hi, 0)
+    spans = torch.cat((ranges[:, :2].to(torch.int32), torch.stack((lo, hi), 1).to(torch.int32)), 1)
+    selected = torch.zeros(idx.shape[0], span_bound + 1, dtype=torch.uint8, device=idx.device)
+    if not idx.is_cuda and idx.numel() and int((hi - lo).max()) > span_bound:
+        raise ValueError(f"span_bound={span_bound}: a query's index columns span {int((hi - lo).max())} rows; pass "
+                         "the longest span (the most visible compressed entries)")
+    # a span past the bound on the GPU: the scatter's index check stops the kernel (no silent wrong slot)
+    selected.scatter_(1, torch.where(valid, idx - lo[:, None], span_bound).long(), 1)
+    return spans, selected
+
+
 def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, scale: float, range_bounds: tuple[int, int],
-                  budget_bytes: int | None = None, dq_dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``triton_attention.sparse_sink_attention`` without index columns, in query blocks.
+                  budget_bytes: int | None = None, dq_dtype: torch.dtype | None = None,
+                  selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``triton_attention.sparse_sink_attention`` without index columns, in query blocks; with
+    ``selected``, of index columns given as a span and a mask (:func:`index_span`).
 
     Args:
         q, out, dout: [T, H, D]; kv: [N, D]; ranges: [T, 4] int (``lo0, hi0, lo1, hi1``: kv rows
@@ -202,12 +242,15 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
             the most visible compressed entries (``layer.attention_forward`` knows both on the host).
         budget_bytes: bound on the dS buffer (default ``BUDGET_BYTES``); queries run in chunks that fit it.
         dq_dtype: dq's dtype (default q's; float32 for a partial dQ another kernel adds to).
+        selected: uint8 [T, >= range_bounds[1]] or None: query t attends row ``lo1 + j`` of its range 1 only
+            where ``selected[t, j]`` is nonzero (:func:`index_span`).
     Returns:
         (dq [T, H, D] dq_dtype, dkv [N, D] float32, delta [T, H] float32 = rowsum(dout * out)): the same as
         ``triton_attention.attention_bwd_single_pass`` up to the order of the float32 additions.
     Raises:
         ValueError: :func:`supported` is false (dtype, heads, D), ``CONFIG["dq_form"]`` is
-            neither "query" nor "block", a bound is negative, or
+            neither "query" nor "block", a bound is negative, ``selected`` is not uint8 [T, >= range_bounds[1]],
+            or
             (ranges on the host only: no device read here) a range is longer than its bound.
     """
     if not supported(q):
@@ -223,6 +266,10 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
         if any(n > b for n, b in zip(longest, range_bounds)):
             raise ValueError(f"range_bounds={tuple(range_bounds)}: the ranges are up to {longest} rows long; "
                              "pass the longest range 0 and range 1 (the window, the most visible entries)")
+    if selected is not None and (selected.dtype != torch.uint8 or selected.dim() != 2
+                                 or selected.shape[0] != q.shape[0] or selected.shape[1] < range_bounds[1]):
+        raise ValueError(f"selected: {selected.dtype} {tuple(selected.shape)}; need uint8 [T={q.shape[0]}, "
+                         f">= {range_bounds[1]}] (index_span builds it)")
     q, kv = q.contiguous(), kv.contiguous()
     T, H, D = q.shape
     QB, c = VIRTUAL_HEADS // H, CONFIG
@@ -240,8 +287,10 @@ def attention_bwd(q: torch.Tensor, kv: torch.Tensor, ranges: torch.Tensor, out: 
     for t0 in range(0, T, Tc):
         n = min(Tc, T - t0)
         _dkv_block_pass[(triton.cdiv(n, QB),)](
-            q, kv, rng, out, dout, lse, delta, dkv, ds, NC, cap0, cap1, t0, t0 + n, q.stride(0), q.stride(1),
-            scale * LOG2E, scale, H=H, D=D, QB=QB, BN=c["BN"], NP=c["NP"], USE_ASM=q.is_cuda,
+            q, kv, rng, out, dout, lse, delta, dkv, ds, rng if selected is None else selected, NC, cap0, cap1,
+            0 if selected is None else selected.stride(0), t0, t0 + n, q.stride(0), q.stride(1),
+            scale * LOG2E, scale, H=H, D=D, QB=QB, BN=c["BN"], NP=c["NP"], HAS_SEL=selected is not None,
+            USE_ASM=q.is_cuda,
             num_warps=c["num_warps"], num_stages=c["num_stages"])
         if c["dq_form"] == "block":
             _dq_block_pass[(triton.cdiv(n, QB),)](kv, rng, ds, dq, NC, cap0, t0, t0 + n, q.stride(0), q.stride(1),

@@ -161,15 +161,64 @@ def query_block_cases(seed: int) -> dict:
     except ValueError as e:
         refused = 1.0 if "ranges are up to" in str(e) else 0.0
     res["query_blocks_h32/window"]["short_bound_accepted"] = 1.0 - refused
+    res.update(query_block_span_cases(seed))
     res["query_blocks_dispatch"] = query_block_dispatch(seed)
+    return res
+
+
+def narrow_columns(g: torch.Generator, T: int, K: int, lo: int, width: int) -> torch.Tensor:
+    """[T, K] int32 index columns, each query's K distinct rows drawn from [lo, lo + width) (a span of at most
+    ``width`` rows, as sparse-phase CSA picks its top-k among a segment's visible entries); 20% masked, query 3
+    none, query 6 a single column."""
+    idx = torch.stack([torch.randperm(width, generator=g)[:K] + lo for _ in range(T)]).int()
+    idx[torch.rand(T, K, generator=g) < 0.2] = -1
+    idx[3] = -1
+    idx[6, 1:] = -1
+    return idx
+
+
+def query_block_span_cases(seed: int) -> dict:
+    """Index columns run in query blocks as a masked span (``index_span`` + ``selected``) against float64 of the
+    columns themselves: 16 and 32 heads, both pass-2 forms, several query chunks, a window beside the columns;
+    ``too_long_span_accepted`` 1 = a span bound shorter than a query's span was not refused."""
+    res = {}
+    for H, dq_form in ((16, "query"), (32, "block")):
+        g = torch.Generator().manual_seed(seed + 11 + H)
+        T, D, K, width = 21, 64, 12, 30
+        q, kv, sink = torch.randn(T, H, D, generator=g), torch.randn(120, D, generator=g), torch.randn(H, generator=g)
+        idx = narrow_columns(g, T, K, lo=70, width=width)
+        ranges = window_like_ranges(g, T, window=5, first_entry=100, ratio=2).index_fill_(1, torch.tensor([2, 3]), 0)
+        scale = D ** -0.5
+        g_out = torch.randn(q.shape, generator=g)
+        out_t, lse_t, (dq_t, dkv_t, _) = float64_truth(q, kv, sink, idx, ranges, g_out, scale)
+        spans, selected = tqb.index_span(idx, ranges, width)
+        saved = tqb.supported, dict(tqb.CONFIG)
+        tqb.supported = lambda q: True  # noqa: E731  (the interpreter runs float32)
+        tqb.CONFIG.update(BN=16, BNQ=16, dq_form=dq_form)
+        try:
+            budget = 8 * H * (16 + 32) * 4  # 8 queries' dS: several chunks
+            dq, dkv, _ = tqb.attention_bwd(q, kv, spans, out_t.float(), lse_t.float(), g_out, scale, (5, width),
+                                           budget_bytes=budget, selected=selected)
+        finally:
+            tqb.supported, _ = saved
+            tqb.CONFIG.update(saved[1])
+        res[f"query_blocks_span_h{H}"] = dict(dq=rel(dq, dq_t), dkv=rel(dkv, dkv_t))
+    try:
+        tqb.index_span(idx, ranges, int((spans[:, 3] - spans[:, 2]).max()) - 1)
+        refused = 0.0
+    except ValueError as e:
+        refused = 1.0 if "span" in str(e) else 0.0
+    res["query_blocks_span_h32"]["too_long_span_accepted"] = 1.0 - refused
     return res
 
 
 def query_block_dispatch(seed: int) -> dict:
     """Through the operator (``sparse_sink_attention`` with ``range_bounds``) and autograd, with
-    ``QUERY_BLOCK_BACKWARD`` on, against float64: ranges alone (the query-block kernels take the whole layer) and
-    ranges beside index columns (they take the ranges, the single pass the columns and adds their dQ);
-    ``not_run`` 1 = the query-block kernels did not run once per backward."""
+    ``QUERY_BLOCK_BACKWARD`` on, against float64: ranges alone (the query-block kernels take the whole layer),
+    ranges beside index columns without a span bound (they take the ranges, the single pass the columns and adds
+    their dQ) and with one (they take the columns too, as a masked span: ``SPAN_PER_COLUMN``);
+    ``not_run`` 1 = the query-block kernels did not run once per backward; ``masked_span_wrong`` 1 = they took
+    the columns as a masked span where they should not have, or not where they should."""
     g = torch.Generator().manual_seed(seed + 9)
     q, kv, sink, idx, _ = problem(g, T=10, H=16, D=64, N=120, K=20, mode="idx")
     ranges = window_like_ranges(g, 10, window=4, first_entry=100, ratio=2)
@@ -177,19 +226,21 @@ def query_block_dispatch(seed: int) -> dict:
     runs, res = [], {}
     saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD
     tqb.supported = lambda q: True  # noqa: E731  (float32 in the interpreter)
-    tqb.attention_bwd = lambda *a, **k: (runs.append(1), saved[1](*a, **k))[1]  # noqa: E731
+    tqb.attention_bwd = lambda *a, **k: (runs.append(k.get("selected") is not None), saved[1](*a, **k))[1]  # noqa: E731
     ta.QUERY_BLOCK_BACKWARD = True
     try:
-        for name, columns, rng, bounds in (("ranges", None, ranges, (4, 5)),
-                                           ("ranges+idx", idx, ranges.clone().index_fill_(1, torch.tensor([2, 3]), 0),
-                                            (4, 0))):
+        window_only = ranges.clone().index_fill_(1, torch.tensor([2, 3]), 0)
+        narrow = narrow_columns(g, 10, 20, lo=60, width=30)  # span <= 30 <= SPAN_PER_COLUMN * 20 columns
+        for name, columns, rng, bounds in (("ranges", None, ranges, (4, 5)), ("ranges+idx", idx, window_only, (4, 0)),
+                                           ("ranges+idx span", narrow, window_only, (4, 30))):
             _, _, (dq_t, dkv_t, dsink_t) = float64_truth(q, kv, sink, columns, rng, g_out, 64 ** -0.5)
             qk, kvk, sk = (x.clone().requires_grad_() for x in (q, kv, sink))
             before = len(runs)
             out, _ = ta.sparse_sink_attention(qk, kvk, columns, sk, 64 ** -0.5, rng, bounds)
             dq, dkv, dsink = torch.autograd.grad((out * g_out).sum(), (qk, kvk, sk))
             res.update({f"{name} dq": rel(dq, dq_t), f"{name} dkv": rel(dkv, dkv_t),
-                        f"{name} dsink": rel(dsink, dsink_t), f"{name} not_run": float(len(runs) - before != 1)})
+                        f"{name} dsink": rel(dsink, dsink_t), f"{name} not_run": float(len(runs) - before != 1),
+                        f"{name} masked_span_wrong": float(runs[before:] != [name.endswith("span")])})
     finally:
         tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
     return res

@@ -74,7 +74,8 @@ def test_cudnn_backend_refuses_with_the_fix():
 def test_range_bounds_given_to_the_kernels_bound_every_range(monkeypatch, phase):
     """The layer states the longest window and entry range on the host (``range_bounds``, which size the
     query-block backward's dS slots without reading the ranges): every call's ranges must fit them, range 1 only
-    where the layer passes entries as a range (HCA; CSA in the dense phase), none beside index columns. Random
+    where the layer passes entries as a range (HCA; CSA in the dense phase), none beside index columns, whose
+    span (largest - smallest column + 1) the entry bound then holds. Random
     packs: segments of random lengths, longer than the window, one with a ratio-128 entry."""
     gen = fresh_gen()
     args = tiny_args(index_topk=3)
@@ -103,7 +104,9 @@ def test_range_bounds_given_to_the_kernels_bound_every_range(monkeypatch, phase)
         lengths = (ranges[:, 1::2] - ranges[:, 0::2]).clamp_min(0)
         assert int(lengths[:, 0].max()) <= window == args.window_size
         assert int(lengths[:, 1].max()) <= entries
-        if idx is not None:
-            assert entries == 0 and int(lengths[:, 1].max()) == 0
+        if idx is not None:  # range 1 empty; the bound holds each query's column span (largest - smallest + 1)
+            valid = idx >= 0
+            span = torch.where(valid, idx, -1).amax(1) + 1 - torch.where(valid, idx, 2**30).amin(1)
+            assert int(lengths[:, 1].max()) == 0 and int(span[valid.any(1)].max()) <= entries
         kinds.add("idx" if idx is not None else "entries" if entries else "window")
     assert kinds >= ({"window", "entries", "idx"} if phase == "sparse" else {"window", "entries"}), kinds

@@ -138,22 +138,32 @@ def test_query_block_backward_matches_float64(H, budget, kind, dq_form, dq_warps
     assert _rel(dq, dq1) <= 1e-2 and _rel(dkv, dkv1) <= 1e-2
 
 
-@pytest.mark.parametrize("with_idx", [False, True], ids=["ranges", "idx+window"])
-def test_query_block_dispatch_matches_float64(with_idx, monkeypatch):
+@pytest.mark.parametrize("columns", ["none", "any", "span"], ids=["ranges", "idx+window", "idx-span+window"])
+def test_query_block_dispatch_matches_float64(columns, monkeypatch):
     """With ``QUERY_BLOCK_BACKWARD`` on, ``attention_bwd`` at 16 heads given ``range_bounds``: ranges alone run
-    in query blocks; beside index columns (sparse-phase CSA) the window runs in query blocks and the single pass
-    takes the columns and adds the window's float32 dQ. Against float64 autograd of the reference."""
+    in query blocks; beside index columns (sparse-phase CSA) without a span bound the window runs in query blocks
+    and the single pass takes the columns and adds the window's float32 dQ; with a span bound of at most
+    ``SPAN_PER_COLUMN`` rows per column the columns run in query blocks too, as a masked span (every query's 96
+    columns among 192 rows). Against float64 autograd of the reference."""
     monkeypatch.setattr(ta, "QUERY_BLOCK_BACKWARD", True)
     T, H, D = 301, 16, 512
     q, kv, sink, idx, _ = _problem(T=T, H=H)
     s = torch.arange(T, device=DEV) % 190  # window rows below 200, where the index columns start (no row in both)
     pos = s % 95  # segments of 95 rows: a window grows along its segment, as in a pack
     ranges = torch.stack((s - pos, s + 1, s * 0, s * 0), 1).int()
-    idx = idx if with_idx else None
+    span = 0
+    if columns == "span":
+        span = 2 * idx.shape[1]
+        g = torch.Generator(device=DEV).manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+        idx = torch.stack([torch.randperm(span, device=DEV, generator=g)[:idx.shape[1]] + 200 + t % 7
+                           for t in range(T)]).int()
+        idx[torch.rand(idx.shape, device=DEV, generator=g) < 0.2] = -1
+        idx[3] = -1
+    idx = None if columns == "none" else idx
     out, lse = ta.attention_fwd(q, kv, idx, sink, D ** -0.5, ranges)
     g = torch.randn_like(out)
     _poison()
-    dq, dkv, delta = ta.attention_bwd(q, kv, idx, ranges, out, lse, g, D ** -0.5, range_bounds=(95, 0))
+    dq, dkv, delta = ta.attention_bwd(q, kv, idx, ranges, out, lse, g, D ** -0.5, range_bounds=(95, span))
     _check_backward_against_float64(q, kv, sink, idx, ranges, g, dq, dkv, delta)
 
 
