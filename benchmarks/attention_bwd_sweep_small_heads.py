@@ -162,7 +162,8 @@ def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
     def bwd(p):
         return ta.attention_bwd(*p[:7], scale, range_bounds=p[7])
 
-    saved, rows = (dict(tqb.CONFIG), ta.QUERY_BLOCK_BACKWARD), []
+    saved, rows = (dict(tqb.CONFIG), ta.QUERY_BLOCK_BACKWARD, ta.SPAN_PER_COLUMN), []
+    ta.SPAN_PER_COLUMN = 2  # csa: the columns as a masked span (csa_split: no span bound, the single pass)
     ta.QUERY_BLOCK_BACKWARD = False
     truth = {k: bwd(p) for k, p in problems.items()}
     single = {k: timed(lambda p=p: bwd(p), a.reps) for k, p in problems.items()}
@@ -181,7 +182,7 @@ def sweep_query_blocks(a, D: int, scale: float, gen: torch.Generator) -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     tqb.CONFIG.update(saved[0])
-    ta.QUERY_BLOCK_BACKWARD = saved[1]
+    ta.QUERY_BLOCK_BACKWARD, ta.SPAN_PER_COLUMN = saved[1:]
     for r in rows:
         if len(r["ms"]) == len(kinds):
             both = sum(n * (single[k] - r["ms"][k]) for k, n in (("hca", 3), ("swa", 2)))

@@ -9,6 +9,7 @@
     python benchmarks/train_step.py --compile --cuda-graph               # the whole step as one CUDA graph
     python benchmarks/train_step.py --compile --cuda-graph --fp32-params # float32 parameters under bf16 autocast
     python benchmarks/train_step.py --compile --cuda-graph --no-query-blocks # range-only layers' backward in the single pass
+    python benchmarks/train_step.py --compile --cuda-graph --span-per-column 2 # sparse CSA's columns as a masked span
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -27,6 +28,8 @@ Levers (issue 17), each on by default and switchable for A/B measurements:
   --cu-on-device   cu_seqlens on the GPU (the model then reads it back: one more sync per forward)
   --no-query-blocks  the range-only layers' attention backward in the single-pass kernel instead of query blocks
                    (triton_attention.QUERY_BLOCK_BACKWARD, on by default: SWA and HCA layers, CSA's window)
+  --span-per-column N  sparse CSA's top-k columns in query blocks as a masked span where the span is at most N
+                   rows per column (triton_attention.SPAN_PER_COLUMN, 0 = off by default until timed)
   --compile        compile.compile_blocks (off by default)
 
 Columns: ms/step (CUDA events, median of --steps), host ms (wall time until the host returns from
@@ -394,6 +397,9 @@ def main() -> None:
     ap.add_argument("--no-fused-mhc", action="store_true")
     ap.add_argument("--no-query-blocks", action="store_true", help="range-only layers' attention backward in the "
                     "single pass, not in query blocks (triton_attention.QUERY_BLOCK_BACKWARD off)")
+    ap.add_argument("--span-per-column", type=int, default=None, help="sparse CSA's top-k columns in query "
+                    "blocks as a masked span where it is at most this many rows per column "
+                    "(triton_attention.SPAN_PER_COLUMN; 0 = never)")
     ap.add_argument("--cu-on-device", action="store_true")
     ap.add_argument("--parity-tokens", type=int, default=2048, help="0 = no parity check")
     ap.add_argument("--parity-phase", default="sparse", choices=["dense", "warmup", "sparse"])
@@ -412,6 +418,10 @@ def main() -> None:
         from v4launch.model.kernels import triton_attention
 
         triton_attention.QUERY_BLOCK_BACKWARD = False
+    if a.span_per_column is not None:
+        from v4launch.model.kernels import triton_attention
+
+        triton_attention.SPAN_PER_COLUMN = a.span_per_column
     peaks = matmul_peaks()
     res = dict(env=environment(a), peak_tflops_sustained=peaks[0], peak_tflops_burst=peaks[1], rows=[], parity=[])
     for phase in a.phases.split(","):

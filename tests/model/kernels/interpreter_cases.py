@@ -224,8 +224,9 @@ def query_block_dispatch(seed: int) -> dict:
     ranges = window_like_ranges(g, 10, window=4, first_entry=100, ratio=2)
     g_out = torch.randn(q.shape, generator=g)
     runs, res = [], {}
-    saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD
+    saved = tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD, ta.SPAN_PER_COLUMN
     tqb.supported = lambda q: True  # noqa: E731  (float32 in the interpreter)
+    ta.SPAN_PER_COLUMN = 2
     tqb.attention_bwd = lambda *a, **k: (runs.append(k.get("selected") is not None), saved[1](*a, **k))[1]  # noqa: E731
     ta.QUERY_BLOCK_BACKWARD = True
     try:
@@ -242,7 +243,7 @@ def query_block_dispatch(seed: int) -> dict:
                         f"{name} dsink": rel(dsink, dsink_t), f"{name} not_run": float(len(runs) - before != 1),
                         f"{name} masked_span_wrong": float(runs[before:] != [name.endswith("span")])})
     finally:
-        tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD = saved
+        tqb.supported, tqb.attention_bwd, ta.QUERY_BLOCK_BACKWARD, ta.SPAN_PER_COLUMN = saved
     return res
 
 

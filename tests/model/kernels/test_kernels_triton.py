@@ -146,6 +146,7 @@ def test_query_block_dispatch_matches_float64(columns, monkeypatch):
     ``SPAN_PER_COLUMN`` rows per column the columns run in query blocks too, as a masked span (every query's 96
     columns among 192 rows). Against float64 autograd of the reference."""
     monkeypatch.setattr(ta, "QUERY_BLOCK_BACKWARD", True)
+    monkeypatch.setattr(ta, "SPAN_PER_COLUMN", 2)
     T, H, D = 301, 16, 512
     q, kv, sink, idx, _ = _problem(T=T, H=H)
     s = torch.arange(T, device=DEV) % 190  # window rows below 200, where the index columns start (no row in both)
