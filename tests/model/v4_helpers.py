@@ -8,10 +8,14 @@ import json
 import os
 import sys
 
+from unittest.mock import patch
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from v4launch.model import ModelArgs, V4Model
+from v4launch.model import attention as attention_module
+from v4launch.model.indexer import Indexer, select_topk
 
 
 class LargestTensor(TorchDispatchMode):
@@ -117,3 +121,26 @@ def _gloo_entry(rank: int, world: int, tmp: str, cases: list[dict], run_case) ->
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def boundary_ties(model: V4Model, batch) -> int:
+    """Query rows whose k-th and (k+1)-th indexer scores are equal, in a forward of ``model``.
+
+    The indexer's score is a weighted sum of ReLUs, so a row can hold several entries scoring exactly 0;
+    where such a tie straddles the top-k boundary, either choice is a correct selection, and two devices'
+    ``topk`` may choose differently (seen on an H200: logits 0.29 apart)."""
+    ties = 0
+
+    def counting(inp, vis_idx, vis_valid, rows, topk, lo, hi):
+        nonlocal ties
+        with torch.no_grad():
+            s = Indexer.score_all(inp, rows, lo, hi).gather(1, vis_idx).masked_fill(~vis_valid, float("-inf"))
+            k = min(topk, s.shape[1])
+            if s.shape[1] > k:
+                top = s.topk(k + 1, dim=1).values
+                ties += int(((top[:, k - 1] == top[:, k]) & torch.isfinite(top[:, k])).sum())
+        return select_topk(inp, vis_idx, vis_valid, rows, topk, lo, hi)
+
+    with patch.object(attention_module, "select_topk", counting), torch.no_grad():
+        model(*batch)
+    return ties
