@@ -4,7 +4,9 @@ Where it applies: the per-query row *ranges* of a layer: all of its candidates i
 window and every visible ratio-128 entry) and CSA in the dense phase (the window and every visible compressed
 entry); the window beside the top-k index columns of CSA in the sparse phase, whose columns the single-pass
 kernel then takes (``triton_attention.attention_bwd``). Dispatched by default (``triton_attention.QUERY_BLOCK_BACKWARD``;
-timed per layer by ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``).
+timed per layer by ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``). The top-k columns too can
+run here, as a masked span (:func:`index_span`: range 1 = the span of a query's columns, a selection mask keeping
+P = 0 on its other rows) where the span is short (``triton_attention.SPAN_PER_COLUMN``, off until timed).
 
 Why: at 16 heads the single-pass backward (``triton_attention._sparse_bwd``, one program per query) is bound by
 its float32 dKV reductions: every query adds its own ``[rows, D]`` contribution with atomics, and at the
@@ -57,8 +59,8 @@ UNION_END = tl.constexpr(2 ** 30)  # larger than any kv row: the start of an emp
 
 
 def supported(q: torch.Tensor) -> bool:
-    """bf16 / fp16 q [T, H, D] with H in (16, 32) and D a multiple of 16 * NP (the kernels take ranges only:
-    index columns stay with the caller)."""
+    """bf16 / fp16 q [T, H, D] with H in (16, 32) and D a multiple of 16 * NP (the kernels take ranges; index
+    columns reach them only as a masked span, :func:`index_span`)."""
     H, D = q.shape[1], q.shape[2]
     return q.dtype in (torch.bfloat16, torch.float16) and H in (16, 32) and D % (16 * CONFIG["NP"]) == 0
 
