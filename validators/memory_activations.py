@@ -153,10 +153,16 @@ class StageSetting:
     captured: bool = False
 
 
+QUERY_BLOCK_HEADS = (16, 32)
+"""Head counts whose kernel backward runs in query blocks (model/kernels/triton_attention_query_blocks.py)."""
+
+
 def attention_workspace(m, ratio: int, s: StageSetting) -> float:
     """Peak transient of one layer's attention backward: the kernel's dS buffer (capped), or on the
     reference path one recomputed query chunk: fp32 logits / probabilities / their gradients
-    [R, H, W + n] and the gathered keys [R, n, D] with their gradient (n = the entries a chunk reads)."""
+    [R, H, W + n] and the gathered keys [R, n, D] with their gradient (n = the entries a chunk reads).
+    At 16 / 32 heads the kernels' CSA backward beside top-k columns adds the window's float32 partial dQ
+    [R, H, D], which the single pass then adds its columns' dQ to (``triton_attention.attention_bwd``)."""
     if ratio == 0:
         n = 0
     elif ratio == 128:
@@ -165,7 +171,9 @@ def attention_workspace(m, ratio: int, s: StageSetting) -> float:
         n = s.seq_len // 4 if s.phase == "dense" else s.topk
     H, W = m.n_heads, m.window_size
     if s.kernels:
-        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4))
+        partial_dq = 4 * s.rows * H * m.head_dim if (ratio == 4 and s.phase != "dense"
+                                                     and H in QUERY_BLOCK_HEADS) else 0
+        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4) + partial_dq)
     r = min(s.chunk, s.rows)
     teacher = 4 * r * H * (s.seq_len // 4) if (ratio == 4 and s.phase == "warmup") else 0
     return float(16 * r * H * (W + n) + 8 * r * n * m.head_dim * (ratio == 4) + teacher)

@@ -9,6 +9,7 @@ the rule proposes, applied and validated again.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -275,3 +276,22 @@ def test_cpu_target_without_a_budget_is_not_planned_against_one(base_file: Path)
     report = validate_file(base_file, ["cluster.gpu=cpu", "attention.kernel_backend=reference",
                                        "cluster.gpu_memory_gib=0.01"])
     assert "V4-MEMORY" in report.failed_rule_ids()
+
+
+def test_attention_workspace_holds_the_partial_dq_where_the_query_block_backward_splits_csa():
+    """At 16 / 32 heads the kernels' sparse-phase CSA backward keeps the window's float32 dQ [rows, H, D] beside
+    the dS buffer until the single pass adds the columns' dQ; at 64 heads (two-pass), in the dense phase and for
+    HCA / SWA layers there is no such term."""
+    from v4launch.validators.memory_activations import KERNEL_DS_CAP_BYTES, StageSetting, attention_workspace
+
+    rows = random.choice([4096, 8192, 16384])
+    for heads in (16, 32, 64):
+        m = load_recipe(RECIPES / "bench_h200.yaml").recipe.model.model_copy(update={"n_heads": heads})
+        for phase, ratio in itertools.product(("dense", "sparse"), (0, 4, 128)):
+            s = StageSetting(rows=rows, seq_len=rows, cp=1, shard=1, accum=1, act=2, kernels=True,
+                             topk=m.indexer.topk, phase=phase, recompute=frozenset(), chunk=1024)
+            got = attention_workspace(m, ratio, s)
+            n = {0: 0, 128: rows // 128, 4: rows // 4 if phase == "dense" else m.indexer.topk}[ratio]
+            ds = min(KERNEL_DS_CAP_BYTES, rows * heads * (m.window_size + n) * 4)
+            split = ratio == 4 and phase == "sparse" and heads in (16, 32)
+            assert got == ds + (4 * rows * heads * m.head_dim if split else 0), (heads, phase, ratio)
