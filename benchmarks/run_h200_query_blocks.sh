@@ -13,7 +13,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 PARTS=${PARTS:-"tests sweep step"}
 if [[ " $PARTS " == *" tests "* ]]; then
-    (cd /tmp && timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -q -p no:cacheprovider --rootdir=/tmp \
+    (cd /tmp && timeout ${TESTS_TIMEOUT:-120} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --rootdir=/tmp \
         $REPO/tests/model/kernels/test_kernels_triton.py -k query_block > $OUT/gpu_tests.txt 2>&1
      echo "query-block GPU tests exit $?"; tail -3 $OUT/gpu_tests.txt)
 fi
