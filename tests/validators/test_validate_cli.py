@@ -177,6 +177,8 @@ def test_explain(in_tmp: Path):
     code, out, err, _ = invoke(["explain", "V4-NOPE"])  # the shared "V4-" made V4-RECOMPUTE look close
     assert code == 2 and "did you mean" not in err and "V4-TP-ONE" in err and not out.strip()
     assert "did you mean V4-RECOMPUTE?" in invoke(["explain", "recomput"])[2]
+    code, out, _, _ = invoke(["explain", "v4"])  # the prefix every id shares: every rule
+    assert code == 0 and all(rid in out for rid in RULES)
     code, out, _, _ = invoke(["explain", "V4-PP"])  # a family prefix: its rules, not every rule
     pp = [r for r in RULES if r.startswith("V4-PP-")]
     assert code == 0 and len(pp) > 2 and all(r in out for r in pp) and "V4-TP-ONE" not in out
@@ -231,6 +233,22 @@ def test_validate_into_a_closed_pipe_exits_with_its_verdict(tmp_path: Path):
             os.close(write_end)
         err = proc.stderr.decode()
         assert proc.returncode == want and "Traceback" not in err and "Exception" not in err, (name, err)
+
+
+def test_an_error_into_a_closed_pipe_keeps_its_exit_code(tmp_path: Path):
+    """`v4launch validate … parallel.ppp=1 2>&1 | head -1`: stdout and stderr both go to a pipe whose reader has
+    left; a usage error still exits 2 (rich alone exits 1 on stderr's broken pipe), without a traceback."""
+    import os
+
+    for args in (["validate", str(RECIPES / "tiny_cpu.yaml"), "parallel.ppp=1"], ["explain", "V4-NOPE"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "v4launch", *args], cwd=tmp_path, stdout=write_end,
+                                  stderr=write_end, timeout=60)
+        finally:
+            os.close(write_end)
+        assert proc.returncode == 2, (args, proc.returncode)
 
 
 def test_help_has_examples():

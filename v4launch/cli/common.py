@@ -46,12 +46,25 @@ class _PipeConsole(_TrimmedConsole):
         raise BrokenPipeError
 
 
+class _ErrConsole(_TrimmedConsole):
+    """The stderr console: a reader leaving the pipe (``v4launch validate … 2>&1 | head -1``) silences the rest
+    of stderr and the command goes on to exit with its own code (rich itself exits 1, which read as a contract
+    violation where the verdict was a usage error, 2)."""
+
+    def on_broken_pipe(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stderr.fileno())
+        finally:
+            os.close(devnull)
+
+
 class Output:
     """One sink for all command output: rich text to stdout, or JSON, or nothing (quiet)."""
 
     def __init__(self) -> None:
         self.console = _PipeConsole(highlight=False)
-        self.err = _TrimmedConsole(stderr=True, highlight=False)
+        self.err = _ErrConsole(stderr=True, highlight=False)
         for console in (self.console, self.err):
             if not console.is_terminal and "COLUMNS" not in os.environ:
                 console.width = PIPE_WIDTH  # piped/logged output: no 80-column folding of paths and tables

@@ -73,7 +73,7 @@ def explain(rule_id: RuleArg = None, as_json: JsonOpt = False) -> None:
     if rule is None:
         # compared without the "V4-" every id shares (it made V4-NOPE look close to V4-RECOMPUTE)
         bare = rule_id.strip().upper().replace("_", "-").removeprefix("V4-")
-        family = [r for r in RULES if r.startswith(f"V4-{bare}-")]
+        family = list(RULES) if bare in ("V4", "V4-") else [r for r in RULES if r.startswith(f"V4-{bare}-")]
         if family:  # a family prefix (V4-PP, cp): its rules
             if as_json:
                 OUT.json([_rule_dict(RULES[r]) for r in family])
