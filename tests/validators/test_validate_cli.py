@@ -156,6 +156,12 @@ def test_default_recipe_from_workspace(in_tmp: Path):
     # a first positional with '=' that is not a file is an override, not the recipe
     code, out, err, _ = invoke(["validate", "parallel.tp=2"])
     assert code == 1 and "V4-TP-ONE" in out and "the workspace's recorded recipe" in err
+    # the recipe after an override: said, not read as a malformed override of the workspace's recipe
+    for command in ("validate", "run", "submit"):
+        code, out, err, _ = invoke([command, "parallel.tp=2", str(path)])
+        flat = " ".join(err.split())
+        assert code == 2 and "the recipe is the first argument" in flat and f"v4launch {command} {path}" in flat
+        assert "recorded recipe" not in err
 
 
 def test_file_with_equals_in_its_name_is_a_recipe(in_tmp: Path):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
-from ..errors import V4LaunchError
+from ..errors import UsageError, V4LaunchError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout instead of the rich report.")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Dotlist overrides, e.g. parallel.cp=8 curriculum.stages.0.steps=10.", show_default=False)]
@@ -102,3 +103,30 @@ def report_error(error: V4LaunchError) -> int:
     if os.environ.get("V4LAUNCH_DEBUG") == "1":
         OUT.err.print_exception()
     return error.exit_code
+
+
+def split_recipe_arg(recipe: str | None, overrides: list[str], command: str) -> tuple[str | None, list[str]]:
+    """(RECIPE, overrides) of ``v4launch validate|run|submit [RECIPE] [key=value ...]``: a first positional with
+    '=' that is not an existing file is an override (no recipe given: the workspace's is used). ``command``
+    names the subcommand in the hint.
+
+    Raises:
+        UsageError: no recipe first and a later positional without '=' (``validate parallel.cp=8 flash_4n.yaml``):
+            the recipe comes first; read as an override it would fail as a malformed one, the workspace's recipe
+            having silently been picked.
+    """
+    if recipe is None or "=" not in recipe or _exists(recipe):
+        return recipe, overrides
+    stray = next((o for o in overrides if "=" not in o), None)
+    if stray is not None:
+        raise UsageError(f"'{stray}' comes after the override '{recipe}': the recipe is the first argument",
+                         hint=f"put it first: v4launch {command} {stray} {recipe} ...")
+    return None, [recipe, *overrides]
+
+
+def _exists(name: str) -> bool:
+    """Path(name).exists(), False for a name the OS refuses (too long, NUL byte)."""
+    try:
+        return Path(name).exists()
+    except (OSError, ValueError):
+        return False

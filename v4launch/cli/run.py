@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import OUT, OverridesArg
+from .common import OUT, OverridesArg, split_recipe_arg
 
 HELP = ("Train RECIPE on this machine: validate it (refused with exit 1 on a contract violation), prepare "
         "its data, create a run directory under the workspace's run.output_root, and run every curriculum "
@@ -50,13 +50,6 @@ def refuse_what_this_machine_cannot_run(recipe) -> None:
         refuse_missing_toolchain(recipe.compile.backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[Path | None, list[str]]:
-    """``run key=value`` without a recipe: the first override landed in RECIPE."""
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        return None, [recipe, *overrides]
-    return (Path(recipe) if recipe else None), overrides
-
-
 def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: MaxStepsOpt = None,
         no_progress: NoProgressOpt = False) -> None:
     """Validate, prepare data, create the run directory, train locally, print a summary."""
@@ -68,7 +61,8 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
 
     check_profile_env()  # before a run directory exists: a bad V4LAUNCH_PROFILE_STEPS must not leave a failed run
     ws = Workspace.current()
-    path, extra = _split_recipe(recipe, list(overrides or []))
+    name, extra = split_recipe_arg(recipe, list(overrides or []), "run")
+    path = Path(name) if name else None
     if path is None:
         path = ws.default_recipe()
         OUT.note(f"recipe: {path} (the workspace's recipe)")

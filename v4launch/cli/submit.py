@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError, V4LaunchError
-from .common import OUT, JsonOpt, OverridesArg
+from .common import OUT, JsonOpt, OverridesArg, split_recipe_arg
 
 HELP = ("Validate RECIPE, freeze it and the code revision into a new run directory, and submit it to "
         "Slurm (one task per GPU; the whole curriculum runs, stage after stage, with checkpoint-and-requeue "
@@ -36,13 +36,6 @@ AllowDirtyOpt = Annotated[bool, typer.Option(
     "--allow-dirty", help="Submit from a source tree with uncommitted changes (the diff goes into the run directory).")]
 
 
-def _split_recipe(recipe: str | None, overrides: list[str]) -> tuple[Path | None, list[str]]:
-    """``submit key=value`` without a recipe: the first override landed in RECIPE."""
-    if recipe is not None and "=" in recipe and not Path(recipe).exists():
-        return None, [recipe, *overrides]
-    return (Path(recipe) if recipe else None), overrides
-
-
 def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: NodesOpt = None,
            dry_run: DryRunOpt = False, allow_dirty: AllowDirtyOpt = False, json_out: JsonOpt = False) -> None:
     """Validate, freeze and submit a recipe to Slurm (or print its sbatch script with --dry-run)."""
@@ -53,7 +46,8 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
 
     check_profile_env()  # the jobs inherit the environment: refuse a malformed one before anything is queued
     ws = Workspace.current()
-    path, extra = _split_recipe(recipe, list(overrides or []))
+    name, extra = split_recipe_arg(recipe, list(overrides or []), "submit")
+    path = Path(name) if name else None
     if path is None:
         path = ws.default_recipe()
         OUT.note(f"recipe: {path} (the workspace's recipe)")

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from ..errors import RecipeError
 from ..workspace import Workspace
-from .common import OUT, JsonOpt, OverridesArg, reader_left
+from .common import OUT, JsonOpt, OverridesArg, reader_left, split_recipe_arg
 
 if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
     from ..validators import Report, RuleResult, StageResult
@@ -42,27 +42,12 @@ RecipeArg = Annotated[
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "n/a": "dim"}
 
 
-def _exists(name: str) -> bool:
-    """Path(name).exists(), False for a name the OS refuses (too long, NUL byte)."""
-    try:
-        return Path(name).exists()
-    except (OSError, ValueError):
-        return False
-
-
-def _split(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    """A first positional with '=' that is not an existing file is an override, not the recipe."""
-    if recipe is not None and "=" in recipe and not _exists(recipe):
-        return None, [recipe, *overrides]
-    return recipe, overrides
-
-
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False) -> None:
     """Validate RECIPE (with dotlist overrides) and print the contract report."""
     from ..recipe_loading import load_recipe
     from ..validators import validate_recipe
 
-    path, extra = _split(recipe, list(overrides or []))
+    path, extra = split_recipe_arg(recipe, list(overrides or []), "validate")
     workspace = Workspace.current()
     if path is None:
         path = str(workspace.default_recipe())
