@@ -299,7 +299,7 @@ def _apply_override(data: dict, text: str, sources: SourceMap) -> None:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not _OVERRIDE_KEY.match(key):
-        raise RecipeError(f"bad override '{_short(text)}': expected dotted.key=value, e.g. parallel.cp=8",
+        raise RecipeError(f"bad override '{_short(text)}': expected dotted.key=value, list indices from 0 (none negative)",
                           hint="keys are dotted paths into the recipe; list items by index: curriculum.stages.0.steps=10")
     if key == EXTENDS_KEY:
         raise RecipeError(f"bad override '{text}': extends cannot be overridden", hint="edit the recipe's extends: line")

@@ -130,7 +130,9 @@ def dotted(loc: tuple) -> str:
 
 
 def _value(value: Any) -> str:
-    text = repr(value)
+    """The value as the message shows it: its repr, cut at 60 characters; YAML's null (``key:``, ``key=``, ``~``)
+    as "null (no value)", not Python's None."""
+    text = "null (no value)" if value is None else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

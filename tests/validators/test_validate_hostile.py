@@ -188,6 +188,7 @@ def test_layout_with_a_huge_repeat_count_is_bounded(tmp_path: Path, layout: str)
 
 
 @pytest.mark.parametrize("override, needle, fix", [
+    ("parallel.pp=", "parallel.pp = null (no value): must be a whole number", "parallel.pp: Pipeline-parallel size"),
     ("optimizer.lr=1e30", "optimizer.lr = 1e+30: Input should be less than or equal to 1", "set optimizer.lr to a value at most 1"),
     ("optimizer.betas=[1.5,-3]", "optimizer.betas.0 = 1.5: Input should be less than 1", "set optimizer.betas.0 to a value less than 1"),
     ("optimizer.min_lr=0.5", "optimizer.min_lr = 0.5 is above optimizer.lr", "set optimizer.min_lr <="),

@@ -133,6 +133,7 @@ def test_several_errors_are_listed(tmp_path: Path):
     [("parallel.cp", "expected dotted.key=value"), ("=8", "expected dotted.key=value"),
      ("parallel..cp=2", "expected dotted.key=value"), ("+parallel.cp=2", "expected dotted.key=value"),
      ("curriculum.stages.9.cp=2", "no index 9"), ("curriculum.stages.x.cp=2", "no index x"),
+     ("curriculum.stages.-1.cp=2", "list indices from 0 (none negative)"),
      ("parallel.cp=[1", "bad override 'parallel.cp=[1'"), ("extends=other.yaml", "extends cannot be overridden")],
 )
 def test_bad_override(tmp_path: Path, override: str, needle: str):
