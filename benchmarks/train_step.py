@@ -414,13 +414,10 @@ def main() -> None:
     matmul.set_wide_gemm(not a.no_wide_gemm)
     loss_mod.set_fused_head(not a.no_fused_ce)
     mhc.set_fused_mixing(not a.no_fused_mhc)
-    if a.no_query_blocks:
-        from v4launch.model.kernels import triton_attention
+    from v4launch.model.kernels import triton_attention
 
-        triton_attention.QUERY_BLOCK_BACKWARD = False
+    triton_attention.QUERY_BLOCK_BACKWARD = not a.no_query_blocks
     if a.span_per_column is not None:
-        from v4launch.model.kernels import triton_attention
-
         triton_attention.SPAN_PER_COLUMN = a.span_per_column
     peaks = matmul_peaks()
     res = dict(env=environment(a), peak_tflops_sustained=peaks[0], peak_tflops_burst=peaks[1], rows=[], parity=[])
