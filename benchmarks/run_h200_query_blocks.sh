@@ -3,8 +3,8 @@
 # under 600 s: its GPU tests (bf16 against float64, compiled at the shipped config), the per-layer sweep against
 # the single-pass kernel (benchmarks/attention_bwd_sweep_small_heads.py --query-blocks), then the benchmark step
 # in PHASE (default sparse; dense also routes its CSA layers) as three variants (train_step.py --compile
-# --cuda-graph): 0 single_pass (--no-query-blocks), 1 query_blocks (the default), 2 span_columns (sparse CSA's
-# columns as a masked span too: --span-per-column=2). The three parts may not fit one call together:
+# --cuda-graph): 0 single_pass (--no-query-blocks), 1 query_blocks (sparse CSA's columns per query in the single
+# pass: --span-per-column=0), 2 span_columns (the default: those columns as a masked span in query blocks too). The three parts may not fit one call together:
 # PARTS="tests sweep", then PARTS=step (VARIANT_IDS="1 2" skips the single pass).
 # Writes under $OUT: gpu_tests.txt, attention_bwd_query_blocks_h16.json and the sweep's table, and
 # $PHASE_<variant>/train_step.{txt,json}. TESTS_TIMEOUT (120), SWEEP_TIMEOUT (120), STEP_TIMEOUT (200) bound
@@ -24,7 +24,7 @@ if [[ " $PARTS " == *" sweep "* ]]; then
 fi
 if [[ " $PARTS " == *" step "* ]]; then
     names=(single_pass query_blocks span_columns)
-    variants=("--no-query-blocks" "" "--span-per-column=2")
+    variants=("--no-query-blocks" "--span-per-column=0" "")
     for i in ${VARIANT_IDS:-0 1 2}; do
         variant=${variants[$i]}
         dir=$OUT/${PHASE:-sparse}_${names[$i]}

@@ -9,7 +9,7 @@
     python benchmarks/train_step.py --compile --cuda-graph               # the whole step as one CUDA graph
     python benchmarks/train_step.py --compile --cuda-graph --fp32-params # float32 parameters under bf16 autocast
     python benchmarks/train_step.py --compile --cuda-graph --no-query-blocks # range-only layers' backward in the single pass
-    python benchmarks/train_step.py --compile --cuda-graph --span-per-column 2 # sparse CSA's columns as a masked span
+    python benchmarks/train_step.py --compile --cuda-graph --span-per-column 0 # sparse CSA's columns per query
 
 Model: ModelArgs with V4 structure scaled down (dim 1024, 8 layers SWA/CSA/HCA + 1 MTP,
 16 heads x 512, rope 64, window 128, indexer 16 x 128 top-512, 24 routed experts top-4 +
@@ -29,7 +29,7 @@ Levers (issue 17), each on by default and switchable for A/B measurements:
   --no-query-blocks  the range-only layers' attention backward in the single-pass kernel instead of query blocks
                    (triton_attention.QUERY_BLOCK_BACKWARD, on by default: SWA and HCA layers, CSA's window)
   --span-per-column N  sparse CSA's top-k columns in query blocks as a masked span where the span is at most N
-                   rows per column (triton_attention.SPAN_PER_COLUMN, 0 = off by default until timed)
+                   rows per column (triton_attention.SPAN_PER_COLUMN, 2 by default; 0 = never: the single pass)
   --compile        compile.compile_blocks (off by default)
 
 Columns: ms/step (CUDA events, median of --steps), host ms (wall time until the host returns from

@@ -301,15 +301,15 @@ QUERY_BLOCK_BACKWARD = True
 attention_bwd_query_blocks_h16_h200_2026-12-03_799d8ff.txt): 3.8 ms less per sparse benchmark step and 14-15 ms
 less per dense one than the single pass; ``benchmarks/train_step.py --no-query-blocks`` turns it off for an A/B."""
 
-SPAN_PER_COLUMN = 0
+SPAN_PER_COLUMN = 2
 """Index columns run in query blocks as their span (:func:`triton_attention_query_blocks.index_span`) where the
 caller's bound on a query's span is at most this many rows per column (0: never): the span's unselected rows
-cost work (P = 0) but neighbouring queries share its kv tiles. Off until timed on a GPU
-(``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks`` runs it at 2, ``train_step.py
---span-per-column 2``). 2 is the intended value: sparse-phase CSA of the benchmark model (1,024 visible
-entries per segment of 4,096 tokens, top-k 512), whose dense-phase backward over every entry took 2.3-2.5 ms
-per layer against 4.48 ms with the 512 columns in the single pass (H200, 2026-12-03). Longer spans (long
-context: tens of thousands of entries against 512 columns) keep the columns per query."""
+cost work (P = 0) but neighbouring queries share its kv tiles. Sparse-phase CSA of the benchmark model (1,024
+visible entries per segment of 4,096 tokens, top-k 512: span bound 2 per column) took 2.44 ms per layer this
+way against 4.53 ms with its 512 columns in the single pass (H200 sweep of 2026-12-03, benchmarks/results/
+attention_bwd_query_blocks_h16_h200_2026-12-03_2aecd5d.txt); ``benchmarks/train_step.py --span-per-column 0``
+turns it off for an A/B. Longer spans (long context: tens of thousands of entries against 512 columns) keep
+the columns per query, in the single pass."""
 
 
 def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):

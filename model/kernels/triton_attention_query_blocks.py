@@ -6,7 +6,7 @@ entry); the window beside the top-k index columns of CSA in the sparse phase, wh
 kernel then takes (``triton_attention.attention_bwd``). Dispatched by default (``triton_attention.QUERY_BLOCK_BACKWARD``;
 timed per layer by ``benchmarks/attention_bwd_sweep_small_heads.py --query-blocks``). The top-k columns too can
 run here, as a masked span (:func:`index_span`: range 1 = the span of a query's columns, a selection mask keeping
-P = 0 on its other rows) where the span is short (``triton_attention.SPAN_PER_COLUMN``, off until timed).
+P = 0 on its other rows) where the span is short (``triton_attention.SPAN_PER_COLUMN``).
 
 Why: at 16 heads the single-pass backward (``triton_attention._sparse_bwd``, one program per query) is bound by
 its float32 dKV reductions: every query adds its own ``[rows, D]`` contribution with atomics, and at the
@@ -49,11 +49,12 @@ from .triton_attention import LOG2E, _red_add_rows
 
 VIRTUAL_HEADS = 64
 """Query rows per pass-1 program: QB = VIRTUAL_HEADS / H consecutive queries of H heads."""
-CONFIG = dict(BN=64, NP=4, num_warps=8, num_stages=1, BNQ=64, dq_form="query", dq_warps=4, dq_stages=2)
+CONFIG = dict(BN=128, NP=4, num_warps=8, num_stages=1, BNQ=64, dq_form="block", dq_warps=8, dq_stages=2)
 """Pass 1: BN kv rows per tile, [q; dO] in NP column parts; pass 2: BNQ kv rows per tile, per query or per
-block (``dq_form``). The best of eight configs for the sparse step in the H200 sweep of 2026-12-03
-(benchmarks/results/attention_bwd_query_blocks_h16_h200_2026-12-03_799d8ff.txt); ``dq_form="block"`` with 8 warps
-tied it there and was 0.15 ms faster per dense CSA layer, not switched: the product was measured with this one."""
+block (``dq_form``). The best of eight configs for the sparse step in the H200 sweep of 2026-12-03 with sparse
+CSA's columns as a masked span (benchmarks/results/attention_bwd_query_blocks_h16_h200_2026-12-03_2aecd5d.txt):
+11.8 ms less per sparse benchmark step and 15.3 ms less per dense one than the single pass, against 10.5 / 14.4 ms
+for the earlier BN=64 per-query form (HCA and SWA layers are 0.06 ms slower at BN=128, CSA 0.4 ms faster)."""
 BUDGET_BYTES = 2 << 30  # dS buffer per chunk of queries
 UNION_END = tl.constexpr(2 ** 30)  # larger than any kv row: the start of an empty union
 
