@@ -155,14 +155,19 @@ class StageSetting:
 
 QUERY_BLOCK_HEADS = (16, 32)
 """Head counts whose kernel backward runs in query blocks (model/kernels/triton_attention_query_blocks.py)."""
+SPAN_ROWS_PER_COLUMN = 2
+"""Sparse CSA's top-k columns run in query blocks as a masked span where a segment's entries are at most this
+many per column (model/kernels/triton_attention.py, ``SPAN_PER_COLUMN``; tests/validators check they agree)."""
 
 
 def attention_workspace(m, ratio: int, s: StageSetting) -> float:
     """Peak transient of one layer's attention backward: the kernel's dS buffer (capped), or on the
     reference path one recomputed query chunk: fp32 logits / probabilities / their gradients
     [R, H, W + n] and the gathered keys [R, n, D] with their gradient (n = the entries a chunk reads).
-    At 16 / 32 heads the kernels' CSA backward beside top-k columns adds the window's float32 partial dQ
-    [R, H, D], which the single pass then adds its columns' dQ to (``triton_attention.attention_bwd``)."""
+    At 16 / 32 heads the kernels' sparse-phase CSA backward runs in query blocks (``triton_attention.attention_bwd``):
+    over the whole span of a segment's entries (n = seq_len / 4) with a uint8 selection mask [R, n + 1] where
+    that span is at most SPAN_ROWS_PER_COLUMN per top-k column, else the window there and the columns in the single
+    pass, which adds to the window's float32 partial dQ [R, H, D]."""
     if ratio == 0:
         n = 0
     elif ratio == 128:
@@ -171,9 +176,14 @@ def attention_workspace(m, ratio: int, s: StageSetting) -> float:
         n = s.seq_len // 4 if s.phase == "dense" else s.topk
     H, W = m.n_heads, m.window_size
     if s.kernels:
-        partial_dq = 4 * s.rows * H * m.head_dim if (ratio == 4 and s.phase != "dense"
-                                                     and H in QUERY_BLOCK_HEADS) else 0
-        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4) + partial_dq)
+        extra = 0
+        if ratio == 4 and s.phase != "dense" and H in QUERY_BLOCK_HEADS:
+            span = s.seq_len // 4
+            if span <= SPAN_ROWS_PER_COLUMN * s.topk:
+                n, extra = span, s.rows * (span + 1)
+            else:
+                extra = 4 * s.rows * H * m.head_dim
+        return float(min(KERNEL_DS_CAP_BYTES, s.rows * H * (W + n) * 4) + extra)
     r = min(s.chunk, s.rows)
     teacher = 4 * r * H * (s.seq_len // 4) if (ratio == 4 and s.phase == "warmup") else 0
     return float(16 * r * H * (W + n) + 8 * r * n * m.head_dim * (ratio == 4) + teacher)

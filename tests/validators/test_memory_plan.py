@@ -278,20 +278,39 @@ def test_cpu_target_without_a_budget_is_not_planned_against_one(base_file: Path)
     assert "V4-MEMORY" in report.failed_rule_ids()
 
 
-def test_attention_workspace_holds_the_partial_dq_where_the_query_block_backward_splits_csa():
-    """At 16 / 32 heads the kernels' sparse-phase CSA backward keeps the window's float32 dQ [rows, H, D] beside
-    the dS buffer until the single pass adds the columns' dQ; at 64 heads (two-pass), in the dense phase and for
-    HCA / SWA layers there is no such term."""
-    from v4launch.validators.memory_activations import KERNEL_DS_CAP_BYTES, StageSetting, attention_workspace
+def test_attention_workspace_follows_the_query_block_backward_of_sparse_csa():
+    """At 16 / 32 heads the kernels' sparse-phase CSA backward runs over the segment's whole span of entries with
+    a uint8 selection mask [rows, span + 1] where the span is at most SPAN_ROWS_PER_COLUMN per top-k column; past
+    that it keeps the window's float32 dQ [rows, H, D] beside the dS buffer until the single pass adds the columns'
+    dQ. At 64 heads (two-pass), in the dense phase and for HCA / SWA layers there is neither term."""
+    from v4launch.validators.memory_activations import (KERNEL_DS_CAP_BYTES, SPAN_ROWS_PER_COLUMN, StageSetting,
+                                                        attention_workspace)
 
-    rows = random.choice([4096, 8192, 16384])
-    for heads in (16, 32, 64):
-        m = load_recipe(RECIPES / "bench_h200.yaml").recipe.model.model_copy(update={"n_heads": heads})
-        for phase, ratio in itertools.product(("dense", "sparse"), (0, 4, 128)):
-            s = StageSetting(rows=rows, seq_len=rows, cp=1, shard=1, accum=1, act=2, kernels=True,
-                             topk=m.indexer.topk, phase=phase, recompute=frozenset(), chunk=1024)
-            got = attention_workspace(m, ratio, s)
-            n = {0: 0, 128: rows // 128, 4: rows // 4 if phase == "dense" else m.indexer.topk}[ratio]
-            ds = min(KERNEL_DS_CAP_BYTES, rows * heads * (m.window_size + n) * 4)
-            split = ratio == 4 and phase == "sparse" and heads in (16, 32)
-            assert got == ds + (4 * rows * heads * m.head_dim if split else 0), (heads, phase, ratio)
+    for rows in sorted(random.sample([2048, 4096, 8192, 16384, 65536], 3)):
+        for heads in (16, 32, 64):
+            m = load_recipe(RECIPES / "bench_h200.yaml").recipe.model.model_copy(update={"n_heads": heads})
+            topk = m.indexer.topk
+            for phase, ratio in itertools.product(("dense", "sparse"), (0, 4, 128)):
+                s = StageSetting(rows=rows, seq_len=rows, cp=1, shard=1, accum=1, act=2, kernels=True,
+                                 topk=topk, phase=phase, recompute=frozenset(), chunk=1024)
+                got = attention_workspace(m, ratio, s)
+                n = {0: 0, 128: rows // 128, 4: rows // 4 if phase == "dense" else topk}[ratio]
+                extra = 0
+                if ratio == 4 and phase == "sparse" and heads in (16, 32):
+                    if rows // 4 <= SPAN_ROWS_PER_COLUMN * topk:
+                        n, extra = rows // 4, rows * (rows // 4 + 1)
+                    else:
+                        extra = 4 * rows * heads * m.head_dim
+                ds = min(KERNEL_DS_CAP_BYTES, rows * heads * (m.window_size + n) * 4)
+                assert got == ds + extra, (rows, heads, phase, ratio)
+
+
+def test_the_plan_s_span_rule_is_the_kernel_dispatch_s():
+    """The memory plan (no torch) copies the dispatch constants of the attention backward; they must agree."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from v4launch.model.kernels import triton_attention
+    from v4launch.validators import memory_activations
+
+    assert memory_activations.SPAN_ROWS_PER_COLUMN == triton_attention.SPAN_PER_COLUMN
+    assert triton_attention.QUERY_BLOCK_BACKWARD
