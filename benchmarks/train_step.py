@@ -74,6 +74,8 @@ from v4launch.model import loss as loss_mod  # noqa: E402
 from v4launch.model import matmul, mhc  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.training.step_profile import host_and_device_ms, host_waits  # noqa: E402
+from v4launch.validators.derived import graph_free_reason  # noqa: E402
+from v4launch.validators.schema import DEFAULT_INDEXER_LOSS  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
 LAUNCH_CALLS = {"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"}
@@ -158,6 +160,14 @@ def total_loss(out):
                              for k, v in out.aux_losses.items())
 
 
+def graph_free(phase: str, path: str) -> str | None:
+    """Why ``--cuda-graph`` runs this (phase, path) without a graph (compiled only, with ``--compile``), in the
+    product's words and by its rule (``validators/derived.graph_free_reason``: the warm-up KL and the reference
+    attention read per-chunk entry ranges on the host); None: the step is captured."""
+    backend = "triton" if path == "kernels" else "reference"
+    return graph_free_reason(phase, DEFAULT_INDEXER_LOSS[phase], backend)
+
+
 def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int = 3, autocast: bool = False):
     """One training step (forward, backward, fused AdamW, router-bias update) as a callable.
 
@@ -230,7 +240,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
-    step = None if a.cuda_graph else make_step(model, batch, autocast=a.fp32_params)
+    graph = a.cuda_graph and graph_free(phase, path) is None
+    step = None if graph else make_step(model, batch, autocast=a.fp32_params)
     try:
         if step is None:  # capturing runs the graph warm-up steps itself
             try:
@@ -248,7 +259,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     except torch.OutOfMemoryError as e:
         return dict(phase=phase, path=path, error=f"OOM {str(e)[:80]}")
     tf = flop / ms / 1e9
-    row = dict(phase=phase, path=path, param_dtype="fp32+autocast" if a.fp32_params else "bf16",
+    row = dict(phase=phase, path=path, param_dtype="fp32+autocast" if a.fp32_params else "bf16", cuda_graph=graph,
+               note=f"no CUDA graph: {graph_free(phase, path)}" if a.cuda_graph and not graph else "",
                ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
                mfu_sustained=tf / peaks[0], mfu_burst=tf / peaks[1], mfu_datasheet=tf / 989,
                peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)
@@ -358,7 +370,7 @@ def print_table(rows: list[dict], peaks: tuple[float, float]) -> None:
             continue
         print(f"{r['phase']:7s} {r['path']:9s} {r['ms']:8.1f} {r['host_ms']:8.1f} {r['tok_s']:9.0f} "
               f"{r['tflops']:8.1f} {100 * r['mfu_sustained']:7.1f}% {100 * r['mfu_burst']:8.1f}% {r['peak_gb']:8.1f} "
-              f"{r['param_dtype']:>13s}")
+              f"{r['param_dtype']:>13s}" + (f"  ({r['note']})" if r.get("note") else ""))
 
 
 def print_parity(rows: list[dict]) -> None:
@@ -389,7 +401,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, 4 with --compile)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block (compile.compile_blocks)")
     ap.add_argument("--cuda-graph", action="store_true", help="capture the whole step in one CUDA graph and replay "
-                    "it (the benchmark's batch is fixed; see make_step)")
+                    "it (the benchmark's batch is fixed; see make_step); the warm-up phase and the reference path "
+                    "run without one, as in the product (graph_free), and their rows say so")
     ap.add_argument("--fp32-params", action="store_true", help="float32 parameters, the forward under bf16 autocast "
                     "(the product's precision: float32 AdamW and a cast per weight use); default: bf16 parameters")
     ap.add_argument("--no-wide-gemm", action="store_true")
