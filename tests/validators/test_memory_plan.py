@@ -305,12 +305,16 @@ def test_attention_workspace_follows_the_query_block_backward_of_sparse_csa():
                 assert got == ds + extra, (rows, heads, phase, ratio)
 
 
-def test_the_plan_s_span_rule_is_the_kernel_dispatch_s():
-    """The memory plan (no torch) copies the dispatch constants of the attention backward; they must agree."""
-    pytest.importorskip("torch")
+def test_the_memory_plan_copies_the_kernel_dispatch_constants():
+    """The memory plan (no torch) copies the attention backward's dispatch: which head counts run in query blocks
+    and up to how many span rows per top-k column sparse CSA's columns join them. They must agree."""
+    torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from v4launch.model.kernels import triton_attention
+    from v4launch.model.kernels import triton_attention, triton_attention_query_blocks
     from v4launch.validators import memory_activations
 
     assert memory_activations.SPAN_ROWS_PER_COLUMN == triton_attention.SPAN_PER_COLUMN
     assert triton_attention.QUERY_BLOCK_BACKWARD
+    for heads in range(1, 129):
+        q = torch.empty(1, heads, 512, dtype=torch.bfloat16)
+        assert triton_attention_query_blocks.supported(q) == (heads in memory_activations.QUERY_BLOCK_HEADS), heads
