@@ -12,7 +12,8 @@ Layouts (issue 16's parity list; ``ep`` folds over dp x cp inside each pipeline 
 relative per tensor at both steps (observed <= 1e-12); float32: the layout's first-step gradient against
 the float64 truth within 1e-5, or for a tensor whose one-process float32 gradient is itself further than
 that from the truth (a sum that cancels, e.g. ``mtp.0.hc_head_scale``: 1e-4 to 8e-4 relative depending on
-rounding order), within 8x that one-process error. The float32 second step is not compared: the optimizer
+rounding order), within 8x that one-process error, taken over the three parameters of one mHC mixing
+(``_float32_noise``). The float32 second step is not compared: the optimizer
 amplifies float32 rounding (Adam's
 first update is ~sign(g) for entries near zero, Muon orthogonalises in bf16), so weights after one
 step already differ by ~1e-3 relative in places whatever the layout (the same holds for CP alone:
@@ -22,6 +23,7 @@ test_train_cp.py).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -102,6 +104,27 @@ def _grads(run: Path, step: int) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def _mixing(name: str) -> str:
+    """The mHC mixing a parameter belongs to: ``hc_<site>_fn`` / ``_base`` / ``_scale`` of one block share one
+    name; any other parameter is its own."""
+    return re.sub(r"_(fn|base|scale)$", "", name)
+
+
+def _float32_noise(want: dict[str, list[torch.Tensor]], truth: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Per mHC mixing (:func:`_mixing`): the largest relative error (max abs / the tensor's max abs) of the
+    one-process float32 gradients against the float64 truth. The three parameters of one mixing take their
+    gradients from the same per-token pre-activation gradients (base: their token sum; scale and fn: their
+    products with the mixing's inputs), so they share one cancellation; a two-element base's own error is a single
+    draw of it (mtp.0.hc_head_base: 1.1e-5 in one run, beside 1.2e-4 for its fn and 7.2e-4 for its scale) and
+    too small a yardstick alone."""
+    noise: dict[str, float] = {}
+    for name, (ref_grad,) in want.items():
+        scale = ref_grad.abs().max().item() or 1.0
+        own = (ref_grad.double() - truth[name][0].double()).abs().max().item() / scale
+        noise[_mixing(name)] = max(noise.get(_mixing(name), 0.0), own)
+    return noise
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -126,16 +149,15 @@ def test_every_gradient_equals_the_one_process_step(new_run, layout, dtype, tol)
         assert set(got) == set(want), f"step {step}: parameters differ: {sorted(set(got) ^ set(want))[:5]}"
         assert any(".indexer." in n for n in want) and any(n.startswith("mtp.") for n in want)
         worst = ("", 0.0, 0.0)
+        noise = _float32_noise(want, truth) if truth is not None else {}
         for name, (ref_grad,) in want.items():
             scale = ref_grad.abs().max().item() or 1.0
             allowed, target = tol, ref_grad
             if truth is not None:
                 # float32: the layout's gradient against the float64 truth, within 8x the one-process float32
-                # step's own error (a sum that cancels, e.g. a scalar gate's gradient, rounds worse than tol, and
-                # one run's rounding is a single draw: mtp.0.hc_head_scale measured 5.2x under ep2-cp2)
+                # step's own error over the tensor's mixing (_float32_noise)
                 target = truth[name][0]
-                own = (ref_grad.double() - target).abs().max().item() / scale
-                allowed = max(tol, 8 * own)
+                allowed = max(tol, 8 * noise[_mixing(name)])
             for g in got[name]:
                 err = (g.double() - target.double()).abs().max().item() / scale
                 if err / allowed > worst[1] / max(worst[2], 1e-300):
