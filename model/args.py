@@ -98,8 +98,9 @@ class ModelArgs:
             _fail("rope_head_dim", self.rope_head_dim,
                   "must be even and at most head_dim and index_head_dim",
                   "pick an even rope_head_dim <= min(head_dim, index_head_dim)")
-        if self.n_heads % self.o_groups:
-            _fail("o_groups", self.o_groups, f"must divide n_heads={self.n_heads}", "choose a divisor of n_heads")
+        if (self.n_heads * self.head_dim) % self.o_groups:
+            _fail("o_groups", self.o_groups, f"must divide n_heads*head_dim={self.n_heads * self.head_dim}",
+                  "choose a divisor of n_heads*head_dim (a divisor of n_heads groups whole heads)")
         if not 1 <= self.n_activated_experts <= self.n_routed_experts:
             _fail("n_activated_experts", self.n_activated_experts,
                   f"must be in [1, n_routed_experts={self.n_routed_experts}]", "lower n_activated_experts")

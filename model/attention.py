@@ -241,7 +241,7 @@ class Attention(FP32Pinned):
             if part is not None:
                 kl_sum, kl_rows = (part if kl_sum is None else kl_sum + part), kl_rows + n
         o = apply_rope(torch.cat(outs).to(x.dtype), cos, sin, inverse=True)  # [T, H, D], de-rotated at t
-        o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H/G * D], contiguous head groups
+        o = o.view(T, self.n_groups, H * D // self.n_groups)  # [T, G, H*D/G]: whole heads where G divides H
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # [G, o_lora_rank, H/G * D]
         o = torch.einsum("tgd,grd->tgr", o, wo_a.to(o.dtype)).flatten(1)  # [T, G * o_lora_rank]
         out = ctx.cp.tie(linear(o, self.wo_b), mems)

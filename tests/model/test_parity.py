@@ -24,10 +24,13 @@ def _retry(fn, attempts: int = 5):
     pytest.skip("top-k ties in every draw")
 
 
-@pytest.mark.parametrize("layer_id,phase", [(0, "dense"), (1, "dense"), (1, "warmup"), (1, "sparse"),
-                                            (2, "dense"), (4, "dense")])
-def test_attention_layer_matches_reference(layer_id, phase):
-    args = tiny_args()
+@pytest.mark.parametrize("layer_id,phase,heads", [(0, "dense", 4), (1, "dense", 4), (1, "warmup", 4),
+                                                  (1, "sparse", 4), (2, "dense", 4), (4, "dense", 4),
+                                                  (1, "sparse", 3)])
+def test_attention_layer_matches_reference(layer_id, phase, heads):
+    """heads=3 with o_groups=2: the grouped output projection's groups split a head (n_heads*head_dim divisible
+    by o_groups, n_heads not: the contract's rule, megatron-v4-contract B2)."""
+    args = tiny_args(n_heads=heads)
 
     def run(gen):
         attn = Attention(layer_id, args, with_indexer=phase != "dense").double()

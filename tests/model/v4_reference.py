@@ -153,10 +153,10 @@ def attention(sd, pre, x, layer_id, args, phase):
     o = rope(o, pos, freqs, inverse=True)
     G, R = args.o_groups, args.o_lora_rank
     wo_a = sd[pre + "wo_a.weight"]
-    parts = []
+    parts, width = [], H * D // G  # group g: features [g * width, (g + 1) * width) of the flattened heads
+    flat = o.reshape(L, H * D)
     for g in range(G):
-        og = o[:, g * (H // G):(g + 1) * (H // G)].reshape(L, -1)
-        parts.append(og @ wo_a[g * R:(g + 1) * R].T)
+        parts.append(flat[:, g * width:(g + 1) * width] @ wo_a[g * R:(g + 1) * R].T)
     return torch.cat(parts, -1) @ sd[pre + "wo_b.weight"].T, kl_sum, kl_rows
 
 
