@@ -51,6 +51,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-TP-ONE": (["parallel.tp=2"], []),
     "V4-RATIOS-LENGTH": (["model.compress_ratios=[0,4,128,4,128,4,128,4]"], []),
     "V4-OGROUPS": (["model.o_groups=3"], ["model.o_groups=4"]),
+    "V4-MODEL-BUILD": (["model.rope_head_dim=15"], ["model.rope_head_dim=32"]),
     "V4-RECOMPUTE": (["parallel.recompute_granularity=selective", "parallel.recompute_modules=[core_attn]"],
                      ["parallel.recompute_granularity=selective", "parallel.recompute_modules=[mla_up_proj]"]),
     "V4-RECOMPUTE-REPLAY": (["parallel.recompute_granularity=full"],
