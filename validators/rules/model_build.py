@@ -11,9 +11,10 @@ from .base import Context, rule
       fix="change the named model.* field as its note says (the released shapes: rope_head_dim 64, "
           "indexer.head_dim 128, one shared expert, 3 hash layers)")
 def check_model_build(ctx: Context):
-    """The model section builds the bundled V4 model: rope_head_dim even and at most head_dim and indexer.head_dim;
-    at most one shared expert; n_hash_layers at most n_layers; with the Hadamard rotation and a CSA layer,
-    indexer.head_dim a power of two.
+    """The model section builds the bundled model (rope_head_dim, shared experts, hash layers, indexer head).
+
+    rope_head_dim even and at most head_dim and indexer.head_dim; at most one shared expert; n_hash_layers at most
+    n_layers; with the Hadamard rotation and a CSA layer, indexer.head_dim a power of two.
 
     Source: model/args.py ``ModelArgs.__post_init__`` (the job builds the model from it); v4-model-spec §1–§3
     (RoPE rotates channel pairs of the trailing rope_head_dim of q, k and the indexer's q, k; one shared expert;
