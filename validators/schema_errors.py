@@ -169,7 +169,8 @@ def _fix(err: dict, path: str) -> str | None:
     if kind in ("too_long", "string_too_long"):
         return f"shorten {path} to at most {ctx.get('max_length')} {'characters' if 'string' in kind else 'items'}"
     if kind == "literal_error":
-        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        expected = str(ctx.get("expected", ""))
+        choices = re.findall(r"'([^']*)'", expected) or re.split(r", | or ", expected)  # strings quoted, numbers not
         guess = did_you_mean(str(err.get("input")), choices) if isinstance(err.get("input"), str) else []
         return f"{'did you mean ' + repr(guess[0]) + '? ' if guess else ''}set {path} to one of: {', '.join(choices)}"
     return None

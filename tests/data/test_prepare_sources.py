@@ -140,7 +140,9 @@ def test_prepare_errors(tmp_path):
     empty.write_text('{"text": ""}\n')
     with pytest.raises(DataError, match="no non-empty training document"):
         prepare_dataset(DataConfig(source="files", paths=(str(empty),)), TOK, tmp_path / "e", Workspace(tmp_path))
+    with pytest.raises(ValueError, match="data.source=files reads the files and directories of data.paths"):
+        DataConfig(source="files")  # the schema refuses it (validate); the job's own check stays behind it
     with pytest.raises(DataError, match="data.paths is empty"):
-        prepare_dataset(DataConfig(source="files"), TOK, tmp_path / "f", Workspace(tmp_path))
+        prepare_dataset(DataConfig.model_construct(source="files", paths=()), TOK, tmp_path / "f", Workspace(tmp_path))
     with pytest.raises(DataError, match="no prepared dataset"):
         PreparedDataset.read(tmp_path / "missing")

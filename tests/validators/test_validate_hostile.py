@@ -208,6 +208,10 @@ def test_layout_with_a_huge_repeat_count_is_bounded(tmp_path: Path, layout: str)
      "model.compress_ratios: Per layer"),
     ("curriculum.stages=[]", "curriculum.stages = []: needs at least 1 item(s), got 0", "curriculum.stages: Stages"),
     ("optimizer.lr=.inf", "optimizer.lr = inf: must be a finite number (YAML reads 1e400, .inf", "optimizer.lr"),
+    ("model.compress_ratios=[0,4,64,4,128,4,128,4,0]", "model.compress_ratios.2 = 64",
+     "set model.compress_ratios.2 to one of: 0, 4, 128"),
+    ("data.source=files", "data.source=files reads the files and directories of data.paths, which is empty",
+     "give data.paths:"),
 ])
 def test_absurd_values_are_refused_with_the_fix(tmp_path: Path, override: str, needle: str, fix: str):
     extra = ["curriculum.stages.0.steps=null"] if ".tokens=" in override else []  # one budget per stage

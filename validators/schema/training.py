@@ -70,6 +70,9 @@ class DataConfig(Section):
             raise ValueError("data.blend lists the datasets of data.source=blend and only then: set data.source=blend "
                              "and give data.blend: [{weight: W, prefix: P}, ...], or leave data.blend out"
                              f" (now data.source={self.source}, {len(self.blend)} blend entries)")
+        if self.source == "files" and not self.paths:
+            raise ValueError("data.source=files reads the files and directories of data.paths, which is empty: "
+                             "give data.paths: [text, .jsonl files or directories], or data.source=python_stdlib")
         return self
 
     @field_validator("tokenizer", mode="before")
