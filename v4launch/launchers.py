@@ -137,6 +137,25 @@ def _sigterm_as_interrupt() -> Any:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def stop_workers(procs: list[subprocess.Popen]) -> list[int]:
+    """Stop a local run's workers; returns their exit codes. First SIGTERM each: the job finishes its step, saves
+    a checkpoint and exits. A second SIGTERM or Ctrl-C to the launcher while it waits (SIGTERM raising
+    KeyboardInterrupt, :func:`_sigterm_as_interrupt`) kills them: a step that never ends (a batch far too large for
+    the machine) would otherwise hold the run forever. Killed workers lose only the step in flight and its
+    checkpoint (saves are written aside and renamed into place); the last complete checkpoint stays."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    print("stopping: the workers finish their step and save a checkpoint; signal again to kill them now",
+          file=sys.stderr, flush=True)
+    try:
+        return [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        print("killing the workers (the last complete checkpoint stays)", file=sys.stderr, flush=True)
+        for p in procs:
+            p.kill()
+        return [p.wait() for p in procs]
+
+
 def latest_checkpoint_path(run_dir: Path) -> Path | None:
     """Latest complete checkpoint of the run (None if none or the checkpoints package is missing)."""
     try:
@@ -324,11 +343,7 @@ class LocalLauncher(Launcher):
             codes = self._wait_echoing(procs, rank0_out, echo_from, exit_order)
         except KeyboardInterrupt:
             interrupted = True
-            if previous is not None:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            codes = [p.wait() for p in procs]
+            codes = stop_workers(procs)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
