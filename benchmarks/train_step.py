@@ -240,7 +240,8 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
-    graph = a.cuda_graph and graph_free(phase, path) is None
+    no_graph = graph_free(phase, path) if a.cuda_graph else None  # why --cuda-graph does not capture this row
+    graph = a.cuda_graph and no_graph is None
     step = None if graph else make_step(model, batch, autocast=a.fp32_params)
     try:
         if step is None:  # capturing runs the graph warm-up steps itself
@@ -260,7 +261,7 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
         return dict(phase=phase, path=path, error=f"OOM {str(e)[:80]}")
     tf = flop / ms / 1e9
     row = dict(phase=phase, path=path, param_dtype="fp32+autocast" if a.fp32_params else "bf16", cuda_graph=graph,
-               note=f"no CUDA graph: {graph_free(phase, path)}" if a.cuda_graph and not graph else "",
+               note=f"no CUDA graph: {no_graph}" if no_graph else "",
                ms=ms, host_ms=host, tok_s=a.tokens / ms * 1e3, tflops=tf,
                mfu_sustained=tf / peaks[0], mfu_burst=tf / peaks[1], mfu_datasheet=tf / 989,
                peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, flops=flop, **parts)

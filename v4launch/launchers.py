@@ -138,11 +138,12 @@ def _sigterm_as_interrupt() -> Any:
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> list[int]:
-    """Stop a local run's workers; returns their exit codes. First SIGTERM each: the job finishes its step, saves
-    a checkpoint and exits. A second SIGTERM or Ctrl-C to the launcher while it waits (SIGTERM raising
-    KeyboardInterrupt, :func:`_sigterm_as_interrupt`) kills them: a step that never ends (a batch far too large for
-    the machine) would otherwise hold the run forever. Killed workers lose only the step in flight and its
-    checkpoint (saves are written aside and renamed into place); the last complete checkpoint stays."""
+    """Stop a local run's workers (``procs``: their processes, one per rank) and return their exit codes in rank
+    order (negative: killed by that signal, -9 after a kill); raises nothing. First SIGTERM each: the job finishes
+    its step, saves a checkpoint and exits. A second SIGTERM or Ctrl-C to the launcher while it waits (SIGTERM
+    raising KeyboardInterrupt, :func:`_sigterm_as_interrupt`) kills them: a step that never ends (a batch far too
+    large for the machine) would otherwise hold the run forever. Killed workers lose only the step in flight and
+    its checkpoint (saves are written aside and renamed into place); the last complete checkpoint stays."""
     for p in procs:
         p.send_signal(signal.SIGTERM)
     print("stopping: the workers finish their step and save a checkpoint; signal again to kill them now",
