@@ -117,10 +117,16 @@ def head_bytes_per_token(m: ModelConfig, act: int) -> float:
     return 4 * m.mhc.hc_mult * m.dim + 8 * m.dim + act * m.dim + 12
 
 
+def mtp_input_bytes_per_token(m: ModelConfig, act: int) -> float:
+    """What an MTP layer's ``mtp_input`` keeps for backward: the enorm / hnorm inputs and statistics and the
+    e_proj / h_proj inputs (``parallel.cpu_offloading`` moves them to host memory with the block's input)."""
+    d, hc = m.dim, m.mhc.hc_mult
+    return 16 * d + 8 * hc * d + act * d + act * hc * d
+
+
 def mtp_extra_bytes_per_token(m: ModelConfig, act: int) -> float:
     """One MTP layer beyond its block: enorm, hnorm, e_proj / h_proj inputs, and its own head."""
-    d, hc = m.dim, m.mhc.hc_mult
-    return 16 * d + 8 * hc * d + act * d + act * hc * d + head_bytes_per_token(m, act)
+    return mtp_input_bytes_per_token(m, act) + head_bytes_per_token(m, act)
 
 
 def embed_bytes_per_token(m: ModelConfig, act: int) -> float:
@@ -137,7 +143,8 @@ def mtp_embeddings_bytes_per_token(m: ModelConfig) -> float:
 class StageSetting:
     """The stage-effective settings the per-layer figures read (built by ``memory_plan``): rows per rank, seq_len,
     cp, the S = dp·cp ranks, micro-batches per step, activation bytes, kernel path, top-k, phase, recompute, chunk,
-    and whether the step is replayed from a CUDA graph (its gradients then stay allocated)."""
+    whether the step is replayed from a CUDA graph (its gradients then stay allocated), and whether the layers'
+    input streams go to host memory (``parallel.cpu_offloading``)."""
 
     rows: int
     seq_len: int
@@ -151,6 +158,7 @@ class StageSetting:
     recompute: frozenset
     chunk: int
     captured: bool = False
+    offload: bool = False
 
 
 QUERY_BLOCK_HEADS = (16, 32)

@@ -32,12 +32,14 @@ from math import ceil
 from . import derived
 from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
                                  compressed_bytes, embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
+                                 mtp_input_bytes_per_token,
                                  mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
 from .param_count import ParamSpec, model_buffers, model_params
 from .pipeline_schedule import PlanUnavailable, in_flight_ops, stage_layers, virtual_stages
 from .recompute_policy import FULL_LAYER, RecomputeRefused, recompute_regions
 from .schema.cluster import GPU_MEMORY_GIB
 from .schema.recipe import Recipe
+from .storage_policy import stores_low_precision
 
 GIB = 1 << 30
 LIBRARY_WORKSPACE_BYTES = 64 << 20
@@ -74,6 +76,8 @@ class MemoryPlan:
         in_flight: micro-batch forwards held for backward (per virtual stage op under interleaving).
         terms: every term (bytes). budget_bytes: the GPU's memory (None for a CPU target without
             ``cluster.gpu_memory_gib``). ``headroom`` is the one term torch's allocator does not see.
+        host_offload_bytes: pinned host memory this rank's offloaded layer inputs take at the peak (every
+            micro-batch in flight; ``parallel.cpu_offloading``), 0 without offload.
     """
 
     stage_index: int
@@ -84,6 +88,7 @@ class MemoryPlan:
     terms: tuple[MemoryTerm, ...]
     budget_bytes: int | None
     notes: tuple[str, ...] = field(default=())
+    host_offload_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -104,7 +109,7 @@ class MemoryPlan:
                 "terms": [{"key": t.key, "label": t.label, "bytes": t.bytes, "dtype": t.dtype, "detail": t.detail}
                           for t in self.terms],
                 "total_bytes": self.total_bytes, "allocated_bytes": self.allocated_bytes,
-                "budget_bytes": self.budget_bytes, "fits": self.fits}
+                "budget_bytes": self.budget_bytes, "fits": self.fits, "host_offload_bytes": self.host_offload_bytes}
 
     def term(self, key: str) -> MemoryTerm:
         return next(t for t in self.terms if t.key == key)
@@ -135,6 +140,8 @@ class _StageCost:
     recompute_layer: float = 0.0
     attention_workspace: float = 0.0
     loss_transient: float = 0.0
+    offloaded: float = 0.0
+    offload_resident: float = 0.0
 
 
 _SPECS_CACHE: dict[tuple[int, str], tuple] = {}
@@ -187,7 +194,8 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
         act=2 if recipe.precision.dtype == "bf16" else 4, kernels=backend == "triton" and recipe.cluster.sm == 90,
         topk=min(recipe.model.indexer.topk, max(1, st.seq_len // derived.CSA_RATIO)), phase=st.phase,
         recompute=frozenset(_regions(recipe)),
-        chunk=recipe.attention.kl_chunk_size, captured=captured)
+        chunk=recipe.attention.kl_chunk_size, captured=captured,
+        offload=recipe.parallel.cpu_offloading and FULL_LAYER in _regions(recipe))
 
 
 def _regions(recipe: Recipe) -> list[str]:
@@ -198,20 +206,31 @@ def _regions(recipe: Recipe) -> list[str]:
 
 
 def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embeddings: bool,
-                params: list[ParamSpec], ep: int, s: StageSetting) -> _StageCost:
-    """Per-micro-batch bytes of one virtual stage (activations by layer, compressed KV, top-k, loss)."""
+                params: list[ParamSpec], ep: int, s: StageSetting, low: set[str]) -> _StageCost:
+    """Per-micro-batch bytes of one virtual stage (activations by layer, compressed KV, top-k, loss).
+
+    ``low``: names of the parameters stored in bf16 (``precision.params_dtype``): autocast uses them as they
+    are, so they have no bf16 copy (the routed experts' grouped GEMM still stacks one)."""
     c = _StageCost()
     full = FULL_LAYER in s.recompute
-    layer_copies = _layer_weight_copies(params, ep) if (full and s.act == 2) else {}
+    layer_copies = _layer_weight_copies(params, ep, low) if (full and s.act == 2) else {}
     for layer in layers:
         ratio = m.compress_ratios[layer] if layer < len(m.compress_ratios) else 0
         per = layer_bytes_per_token(m, ratio, s.phase, kernels=s.kernels, act=s.act, topk=s.topk,
                                     recompute=frozenset() if full else s.recompute)
         own = sum(v for k, v in per.items() if k != "top-k") * s.rows
         extra = mtp_extra_bytes_per_token(m, s.act) * s.rows if layer >= m.n_layers else 0.0
+        if extra and s.offload:  # mtp_input's saved tensors go to host with the block's input
+            c.offloaded += mtp_input_bytes_per_token(m, s.act) * s.rows
+            extra -= mtp_input_bytes_per_token(m, s.act) * s.rows
         gathered = compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
         if full:  # the layer keeps its input streams; backward re-runs it whole, one layer at a time
-            c.activations += block_input_bytes_per_token(m, s.act) * s.rows + extra
+            kept = block_input_bytes_per_token(m, s.act) * s.rows
+            if s.offload:  # in host memory between the layer's forward and its backward
+                c.offloaded += kept
+                c.offload_resident = max(c.offload_resident, kept)
+                kept = 0.0
+            c.activations += kept + extra
             c.recompute_layer = max(c.recompute_layer, own + per["top-k"] * s.rows + gathered
                                     + layer_copies.get(layer, 0.0))
         else:
@@ -236,7 +255,7 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
                             + s.rows * (4 * m.mhc.hc_mult * m.dim + 12 * m.dim))
     if s.act == 2:
         c.weight_copies = 2.0 * sum(p.numel // (ep if p.routed else 1) for p in params
-                                    if _gemm_weight(p) and not (full and _in_block(p)))
+                                    if _copied(p, low) and not (full and _in_block(p)))
     return c
 
 
@@ -249,13 +268,76 @@ def _in_block(p: ParamSpec) -> bool:
     return p.layer is not None and bool(_BLOCK_PART.search(p.name))
 
 
-def _layer_weight_copies(params: list[ParamSpec], ep: int) -> dict[int, float]:
+def _copied(p: ParamSpec, low: set[str]) -> bool:
+    """A GEMM weight whose forward keeps a bf16 copy for backward: fp32-stored ones (autocast's cast), and the
+    routed experts whatever their storage (the grouped GEMM stacks them, ``moe.run_local_experts``)."""
+    return _gemm_weight(p) and (p.routed or p.name not in low)
+
+
+def _layer_weight_copies(params: list[ParamSpec], ep: int, low: set[str]) -> dict[int, float]:
     """bf16 GEMM weight copies of each layer's ``Block.forward`` (what a whole-layer recompute re-creates)."""
     out: dict[int, float] = {}
     for p in params:
-        if _gemm_weight(p) and _in_block(p):
+        if _copied(p, low) and _in_block(p):
             out[p.layer] = out.get(p.layer, 0.0) + 2.0 * (p.numel // (ep if p.routed else 1))
     return out
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """Bytes of this rank's parameters, gradients and optimizer state under the recipe's storage options."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    dtype: str
+    optimizer_dtype: str
+    param_note: str
+    optimizer_note: str
+
+
+def _matrix(sp: ParamSpec) -> bool:
+    """A 2-D GEMM weight (the spec lists no shapes: Muon's matrices, the router gate and the heads)."""
+    return sp.optimizer == "muon" or sp.name.endswith(("ffn.gate.weight", "head.weight"))
+
+
+def _stored_low(recipe: Recipe, sp: ParamSpec) -> bool:
+    """``precision.params_dtype: bf16`` stores ``sp`` in bf16 (FSDP shards all but the routed experts under EP)."""
+    p = recipe.parallel
+    sharded = p.distributed_optimizer and not (sp.routed and p.ep > 1)
+    return recipe.precision.params_dtype == "bf16" and stores_low_precision(sp.name, 2 if _matrix(sp) else 1,
+                                                                            fsdp_sharded=sharded)
+
+
+def _storage(recipe: Recipe, rank_params: list[ParamSpec], shard: int) -> _Storage:
+    """Parameter, gradient and optimizer bytes on this rank (validators/storage_policy.py for which
+    parameters ``precision.params_dtype: bf16`` stores in bf16; dense parameters sharded over ``shard``,
+    routed experts over ``parallel.ep``)."""
+    pr, p = recipe.precision, recipe.parallel
+    muon_name = recipe.optimizer.name == "muon_adamw"
+    n = {"low": 0.0, "fp32": 0.0, "muon": 0.0, "adamw": 0.0, "dense": 0.0, "routed": 0.0}
+    for sp in rank_params:
+        div = p.ep if sp.routed else shard
+        low = _stored_low(recipe, sp)
+        elements = sp.numel / div
+        n["low" if low else "fp32"] += elements
+        n["muon" if sp.optimizer == "muon" and muon_name else "adamw"] += elements
+        n["routed" if sp.routed else "dense"] += sp.numel
+    avg, avg_sq = (2 if pr.exp_avg_dtype == "bf16" else 4), (2 if pr.exp_avg_sq_dtype == "bf16" else 4)
+    master = (2 if pr.store_param_remainders else 4) * n["low"]
+    weights = 4 * n["fp32"] + 2 * n["low"]
+    gib = lambda x: f"{x / 1e9:.2f}B"  # noqa: E731
+    sharded_note = f" / {shard} (FSDP)" if shard > 1 else ""
+    master_note = (f", fp32 master {'as 16-bit remainders' if pr.store_param_remainders else 'copy'} "
+                   f"{gib(n['low'])}" if n["low"] else "")
+    return _Storage(
+        param_bytes=ceil(weights), grad_bytes=ceil(weights), optimizer_bytes=ceil(master + avg * (n["muon"] + n["adamw"])
+                                                                                  + avg_sq * n["adamw"]),
+        dtype="bf16/fp32" if n["low"] else "fp32",
+        optimizer_dtype="fp32" if avg == avg_sq == 4 and not n["low"] else "bf16/fp32",
+        param_note=f"{gib(n['dense'])} dense{sharded_note} + {gib(n['routed'] / p.ep)} experts (E/ep)"
+                   + (f"; {gib(n['low'])} in bf16" if n["low"] else ""),
+        optimizer_note=f"Muon momentum {gib(n['muon'])}, AdamW moments {gib(n['adamw'])}{master_note}")
 
 
 def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
@@ -272,27 +354,22 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
         rank_params += params
         rank_buffers += sum(buffers.get(("t", x), 0) for x in layer_ids[i])
         blocks += [sum(sp.numel for sp in by_place.get(("t", x), []) if not sp.routed) for x in layer_ids[i]]
-        costs[i] = _stage_cost(m, stages[i], layer_ids[i], bool(m.mtp.depth) and e_at <= i <= m_at, params, p.ep, s)
+        low = {sp.name for sp in params if _stored_low(recipe, sp)}
+        costs[i] = _stage_cost(m, stages[i], layer_ids[i], bool(m.mtp.depth) and e_at <= i <= m_at, params, p.ep, s,
+                               low)
     ops = [local[j] for j in in_flight_ops(p.pp, p.vpp, rank, s.accum) if j < len(local)] or local[:1]
     shard = s.shard if p.distributed_optimizer else 1
-    dense = [sp for sp in rank_params if not sp.routed]
-    routed = sum(sp.numel for sp in rank_params if sp.routed) // p.ep
-    n_dense = ceil(sum(sp.numel for sp in dense) / shard)
-    muon_name = recipe.optimizer.name == "muon_adamw"
-    muon = ceil(sum(sp.numel for sp in dense if sp.optimizer == "muon" and muon_name) / shard)
-    adamw = n_dense - muon
-    muon_routed = routed if muon_name else 0
-    opt = 4 * (muon + muon_routed) + 8 * (adamw + routed - muon_routed)
-    root = sum(sp.numel for sp in dense if sp.layer is None)
+    st = _storage(recipe, rank_params, shard)
+    root = sum(sp.numel for sp in rank_params if not sp.routed and sp.layer is None)
     fsdp = 12 * max(max(blocks), root) if p.distributed_optimizer and shard > 1 else 0
     ws = max((costs[i].backward_set + costs[i].attention_workspace + costs[i].recompute_layer for i in local),
              default=0.0)
     ce = max((costs[i].loss_transient for i in local), default=0.0)
     sum_ops = lambda attr: int(sum(getattr(costs[i], attr) for i in ops))  # noqa: E731
-    gib = lambda n: f"{n / 1e9:.2f}B"  # noqa: E731
-    sharded = f" / {shard} (FSDP)" if shard > 1 else ""
-    saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss"))
-    grads_at_peak, grads_note = 4 * (n_dense + routed), "as the parameters, kept across micro-batches"
+    # under cpu_offloading the GPU holds the input of the layer backward re-runs and of the one prefetched after it
+    resident = 2 * int(max((costs[i].offload_resident for i in local), default=0.0))
+    saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss")) + resident
+    grads_at_peak, grads_note = st.grad_bytes, "as the parameters, kept across micro-batches"
     if s.captured:
         grads_note = ("compile.cuda_graph: the graph's gradient tensors stay allocated between replays"
                       + (" (each replay writes them)" if s.accum == 1 else " (zeroed in place)"))
@@ -300,15 +377,14 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
         grads_at_peak = max(0, grads_at_peak - saved)
         grads_note = "one micro-batch per step: allocated as backward frees activations (beyond them)"
     terms = [
-        MemoryTerm("parameters", "parameters", 4 * (n_dense + routed) + rank_buffers, "fp32",
-                   f"{gib(sum(sp.numel for sp in dense))} dense{sharded} + {gib(routed)} experts (E/ep)"),
-        MemoryTerm("gradients", "gradients", grads_at_peak, "fp32", grads_note),
-        MemoryTerm("optimizer", "optimizer states", opt, "fp32",
-                   f"Muon momentum {gib(muon + muon_routed)}, AdamW moments {gib(adamw + routed - muon_routed)}"),
+        MemoryTerm("parameters", "parameters", st.param_bytes + rank_buffers, st.dtype, st.param_note),
+        MemoryTerm("gradients", "gradients", grads_at_peak, st.dtype, grads_note),
+        MemoryTerm("optimizer", "optimizer states", st.optimizer_bytes, st.optimizer_dtype, st.optimizer_note),
         MemoryTerm("weight_copies", "bf16 weight copies", sum_ops("weight_copies"), "bf16",
                    f"GEMM operands kept for backward, {len(ops)} in flight"),
-        MemoryTerm("activations", "activations", sum_ops("activations"), "bf16/fp32",
-                   f"{s.rows} rows x {len(ops)} micro-batch forwards in flight"),
+        MemoryTerm("activations", "activations", sum_ops("activations") + resident, "bf16/fp32",
+                   f"{s.rows} rows x {len(ops)} micro-batch forwards in flight"
+                   + (", layer inputs in host memory but 2" if s.offload else "")),
         MemoryTerm("compressed_kv", "compressed KV + CP boundary", sum_ops("cp"), "bf16",
                    f"gathered over cp={s.cp}" if s.cp > 1 else "local entries (cp=1)"),
         MemoryTerm("topk", "top-k indices + KL", sum_ops("topk"), "int32/fp32",
@@ -325,8 +401,8 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
     allocated = sum(t.bytes for t in terms)
     terms.append(MemoryTerm("headroom", "headroom", int(HEADROOM_FIXED_BYTES + FRAGMENTATION * allocated), "-",
                             f"context/NCCL {HEADROOM_FIXED_BYTES // GIB} GiB + {FRAGMENTATION:.0%} fragmentation"))
-    st = recipe.curriculum.stages[index]
-    return MemoryPlan(index, st.name, rank, s.rows, len(ops), tuple(terms), budget_bytes(recipe))
+    return MemoryPlan(index, recipe.curriculum.stages[index].name, rank, s.rows, len(ops), tuple(terms),
+                      budget_bytes(recipe), host_offload_bytes=sum_ops("offloaded"))
 
 
 def rank_plans(recipe: Recipe, stage_index: int) -> list[MemoryPlan]:

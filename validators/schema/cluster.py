@@ -33,6 +33,7 @@ class ClusterConfig(Section):
     nodes: int = Field(1, ge=1, le=MAX_DEGREE, description="Nodes.")
     gpus_per_node: int = Field(8, ge=1, le=MAX_GPUS_PER_NODE, description="GPUs (or, for gpu=cpu, processes) per node.")
     gpu_memory_gib: float | None = Field(None, gt=0, le=1 << 20, description="Memory per GPU (GiB); null = the model's catalogue value.")
+    host_memory_gib: float | None = Field(None, gt=0, le=1 << 24, description="Host RAM per node (GiB) the job may use; the memory plan checks the node's ranks against it (pinned offload buffers, per-process memory). null = not checked, the plan still prints the need.")
 
     @computed_field  # type: ignore[prop-decorator]
     @property

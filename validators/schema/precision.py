@@ -27,4 +27,8 @@ class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16"] = Field("bf16", description="Model compute dtype (bf16 autocast where the device supports it).")
     fp8_recipe: Literal["none", "delayed", "blockwise", "mxfp8"] = Field("none", description="FP8 training recipe for eligible GEMMs; none = BF16 only.")
     keep_fp32_params: bool = Field(True, description="Keep ape, attn_sink, mHC parameters and router bias in FP32 storage.")
+    params_dtype: Literal["fp32", "bf16"] = Field("fp32", description="Storage of the GEMM weight matrices FSDP does not shard (the routed experts; every matrix without parallel.distributed_optimizer): bf16 keeps them as bf16 with their gradients in bf16 and the optimizer's exact fp32 master (Megatron's params_dtype, precision-aware optimizer). FSDP-sharded parameters and the FP32-pinned ones (norms, mHC, ape, sinks, embedding) stay fp32.")
+    store_param_remainders: bool = Field(True, description="With params_dtype bf16: keep the fp32 master weight as the 16 low bits beside the bf16 weight (2 B per parameter, exact; Megatron's store_param_remainders) instead of a whole fp32 copy (4 B).")
+    exp_avg_dtype: Literal["fp32", "bf16"] = Field("fp32", description="Storage of Muon's momentum and AdamW's first moment (Megatron's exp_avg_dtype); the update is computed in fp32, the state rounded to nearest even.")
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = Field("fp32", description="Storage of AdamW's second moment (Megatron's exp_avg_sq_dtype); the update is computed in fp32, the state rounded to nearest even.")
     policy: ComponentPolicy = Field(default_factory=ComponentPolicy, description="Per-component precision pins.")
