@@ -56,6 +56,7 @@ LR = "v4launch.training.plan:LRSchedule.__init__"
 SBATCH = "v4launch.slurm.params:RESOURCE_MAP"
 EXECUTOR = "v4launch.slurm.params:executor_parameters"
 DATA_KEY = "v4launch.data.prepare:cache_key"
+STORAGE = "v4launch.training.master_weights:StorageOptions.from_precision"
 STAGE_CP = "v4launch.validators.schema.recipe:Recipe.stage_cp"
 STAGE_GBS = "v4launch.validators.schema.recipe:Recipe.stage_global_batch"
 
@@ -95,13 +96,18 @@ COVERAGE: dict[str, Coverage] = {
     "parallel.distributed_optimizer": Honoured(RUNNER_INIT),
     "parallel.recompute_granularity": Honoured("v4launch.training.plan:recompute_names"),
     "parallel.recompute_modules": Honoured("v4launch.training.plan:recompute_names"),
+    "parallel.cpu_offloading": Honoured(RUNNER_INIT),
     "parallel.offload_modules": Refused("V4-UNIMPL-OFFLOAD", "parallel.offload_modules=[core_attn]"),
     "precision.dtype": Honoured(RUNNER_INIT),
     "precision.fp8_recipe": Honoured("v4launch.model.parallel.precision:fp8_module_filter"),
     "precision.keep_fp32_params": Inert(
-        "the job stores every parameter in FP32 (bf16 exists only as autocast compute), so the pinned ones "
-        "(ape, attn_sink, hc_*, router bias) are FP32 whatever the value: true keeps them FP32, false lifts a "
+        "the pinned parameters (ape, attn_sink, hc_*, router bias) are FP32 under every precision.params_dtype "
+        "(validators/storage_policy.py stores only GEMM matrices in bf16): true keeps them FP32, false lifts a "
         "pin that changes nothing; V4-PREC-FP32-DISTOPT-PP still reads it for runtimes that store BF16"),
+    "precision.params_dtype": Honoured(RUNNER_INIT),
+    "precision.store_param_remainders": Honoured(STORAGE),
+    "precision.exp_avg_dtype": Honoured(STORAGE),
+    "precision.exp_avg_sq_dtype": Honoured(STORAGE),
     "precision.policy.compressor_gemm": Refused("V4-PREC-BF16-PINS", "precision.policy.compressor_gemm=fp8"),
     "precision.policy.indexer_weights_proj": Refused("V4-PREC-BF16-PINS", "precision.policy.indexer_weights_proj=fp8"),
     "precision.policy.indexer_qk": Refused("V4-PREC-INDEXER-QK", "precision.policy.indexer_qk=fp8"),
@@ -114,6 +120,7 @@ COVERAGE: dict[str, Coverage] = {
     "cluster.nodes": Honoured(SBATCH),
     "cluster.gpus_per_node": Honoured(SBATCH),
     "cluster.gpu_memory_gib": Honoured("v4launch.validators.memory_plan:budget_bytes"),
+    "cluster.host_memory_gib": Checked("V4-HOST-MEMORY", "cluster.host_memory_gib=100"),
     **{f"curriculum.stages.*.{f}": Honoured(PLAN)
        for f in ("name", "seq_len", "phase", "indexer_loss", "kernel_backend", "tokens", "steps", "lr")},
     "curriculum.stages.*.cp": Honoured(PLAN, via=STAGE_CP),

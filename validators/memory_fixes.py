@@ -8,7 +8,8 @@ A proposal: recipe edits (dotted key → value) and the stage's plan with them; 
 4. more pipeline ranks (``parallel.pp`` with a balanced ``parallel.pp_layout``): fewer layers per rank;
 5. selective recompute (``parallel.recompute_modules``) of every region without collectives, then
    whole-layer recompute (``parallel.recompute_granularity=full``);
-6. all of the above together (whole-layer recompute included).
+6. precision-aware storage (``BF16_STORAGE``), then with the layer inputs offloaded to host (``OFFLOAD``);
+7. all of the above together (whole-layer recompute included; storage and offload only where needed).
 
 A proposal is made only when every stage then fits (each fix printed is a whole one);
 ``parallel.micro_batch_size=1`` is tried first when the recipe packs several sequences per micro-batch.
@@ -36,6 +37,12 @@ from .schema.recipe import Recipe
 
 FULL_RECOMPUTE = {"parallel.recompute_granularity": "full", "parallel.recompute_modules": []}
 """Whole-layer recompute: each layer keeps only its input streams (``recompute_policy``)."""
+BF16_STORAGE = {"precision.params_dtype": "bf16", "precision.store_param_remainders": True,
+                "precision.exp_avg_dtype": "bf16", "precision.exp_avg_sq_dtype": "bf16"}
+"""Precision-aware storage: bf16 weights outside FSDP with their exact fp32 master as 16-bit remainders, bf16
+gradients, bf16 optimizer moments (validators/storage_policy.py): 8 B per such parameter instead of 12."""
+OFFLOAD = {"parallel.cpu_offloading": True, **FULL_RECOMPUTE}
+"""Whole-layer recompute with the layer inputs in pinned host memory between forward and backward."""
 MAX_NODE_SCALE = 64
 """Largest multiple of the recipe's nodes a proposal considers."""
 
@@ -217,7 +224,11 @@ def _combined(recipe: Recipe, index: int) -> dict[str, Any] | None:
     for edits in _single_changes(recipe, index):  # later (larger) cp and ep win
         if "parallel.pp" not in edits:
             merged.update(edits)
-    return merged or None
+    for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # storage and offload only where needed
+        edits = _changed(recipe, {**merged, **extra})
+        if edits and _fits(recipe, index, edits):
+            return edits
+    return _changed(recipe, {**merged, **BF16_STORAGE, **OFFLOAD}) or None
 
 
 def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
@@ -226,8 +237,8 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
     does (:func:`whole_recipe_fit` then searches more nodes and other pipeline sizes)."""
     found: list[Proposal] = []
     seen: set[str] = set()
-    for edits in _single_changes(recipe, index) + _recompute_changes(recipe):
-        key = next(iter(k for k in edits if k != "precision.keep_fp32_params"))
+    for edits in _single_changes(recipe, index) + _recompute_changes(recipe) + _storage_changes(recipe):
+        key = " ".join(sorted(k for k in edits if k != "precision.keep_fp32_params"))
         edits = graph_compatible(recipe, edits)
         if key in seen:
             continue
@@ -266,8 +277,11 @@ def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
         _WHOLE_CACHE.clear()
     found = None
     for nodes in _node_counts(recipe.cluster.nodes):
-        for pp in _pp_candidates(recipe, nodes):
-            found = _whole_fit_at(recipe, nodes, pp)
+        for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # the lightest storage that fits
+            for pp in _pp_candidates(recipe, nodes):
+                found = _whole_fit_at(recipe, nodes, pp, extra)
+                if found is not None:
+                    break
             if found is not None:
                 break
         if found is not None:
@@ -291,13 +305,13 @@ def _pp_candidates(recipe: Recipe, nodes: int) -> list[int]:
     return [pp for pp in out if world % (p.tp * pp) == 0 and pp * (p.vpp if pp > 1 else 1) <= m.n_layers]
 
 
-def _whole_fit_at(recipe: Recipe, nodes: int, pp: int) -> Proposal | None:
+def _whole_fit_at(recipe: Recipe, nodes: int, pp: int, extra: dict[str, Any]) -> Proposal | None:
     p, c, m = recipe.parallel, recipe.cluster, recipe.model
     shard = nodes * c.gpus_per_node // (p.tp * pp)
     vpp = p.vpp if pp > 1 else 1
     edits: dict[str, Any] = {"cluster.nodes": nodes, "parallel.pp": pp, "parallel.vpp": vpp,
                              "parallel.ep": max(divisors(gcd(m.moe.n_routed_experts, shard))),
-                             "parallel.distributed_optimizer": True, **FULL_RECOMPUTE}
+                             "parallel.distributed_optimizer": True, **FULL_RECOMPUTE, **extra}
     if pp * vpp == 1:
         edits["parallel.pp_layout"] = None
     elif pp != p.pp or vpp != p.vpp:
@@ -398,3 +412,10 @@ def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:
     out = [] if set(SELECTIVE_ALL) <= set(p.recompute_modules) else [
         {"parallel.recompute_granularity": "selective", "parallel.recompute_modules": list(SELECTIVE_ALL)}]
     return out + [FULL_RECOMPUTE]
+
+
+def _storage_changes(recipe: Recipe) -> list[dict[str, Any]]:
+    """Precision-aware storage, then storage with whole-layer recompute and host offload (what the recipe lacks)."""
+    storage = _changed(recipe, BF16_STORAGE)
+    offload = _changed(recipe, {**BF16_STORAGE, **OFFLOAD})
+    return [e for e in (storage, offload) if e] if storage != offload else ([storage] if storage else [])

@@ -6,7 +6,7 @@ from ..derived import graph_free_reason
 from .base import Context, rule
 
 
-@rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "precision.dtype", "cluster.gpu", "parallel.pp",
+@rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "precision.dtype", "parallel.cpu_offloading", "cluster.gpu", "parallel.pp",
                                "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp"),
       fix="set compile.cuda_graph=false, or run the stage with pp, cp and ep 1 and without the distributed optimizer")
 def check_cuda_graph(ctx: Context):
@@ -35,6 +35,10 @@ def _unsupported_setting(ctx: Context):
     if r.cluster.gpu == "cpu":
         return ctx.finding("cluster.gpu", "cpu", "compile.cuda_graph=true on cluster.gpu=cpu: CUDA graphs need a GPU",
                            "set compile.cuda_graph=false for a CPU run")
+    if r.parallel.cpu_offloading:
+        return ctx.finding("parallel.cpu_offloading", True, "compile.cuda_graph=true with parallel.cpu_offloading="
+                           "true: the host copies and their events cannot be captured in a graph",
+                           "set compile.cuda_graph=false, or parallel.cpu_offloading=false")
     if r.precision.dtype != "bf16":
         return ctx.finding("precision.dtype", r.precision.dtype, f"compile.cuda_graph=true with precision.dtype="
                            f"{r.precision.dtype}: the routed experts then run one matmul per expert, whose row "
