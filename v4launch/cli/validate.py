@@ -15,6 +15,7 @@ from rich.text import Text
 
 from ..errors import RecipeError
 from ..workspace import Workspace
+from .fix_command import pasteable
 from .common import OUT, JsonOpt, OverridesArg, reader_left, split_recipe_arg
 
 if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
@@ -66,7 +67,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         if as_json:
             OUT.json(report.to_dict())
         else:
-            render(report, loaded.recipe)
+            render(report, loaded.recipe, command=(path, extra))
         sys.stdout.flush()
     except BrokenPipeError:  # `v4launch validate … | head`: the exit code is still the verdict
         reader_left()
@@ -110,7 +111,7 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
 
 
 def _block(con: Any, results: tuple[RuleResult, ...], where: str,
-           shown: dict[tuple[str, str], tuple[str, str]]) -> None:
+           shown: dict[tuple[str, str], tuple[str, str]], command: tuple[str, list[str]]) -> None:
     """One group's table, then the fix of each failed or warned rule on its own line, unwrapped (pasted
     whole). A fix whose edits were printed for an earlier group (``shown``: (rule, edits) -> (that
     group's name, its fix); a whole-recipe fix is the same under every stage) is referred to, with this
@@ -121,7 +122,7 @@ def _block(con: Any, results: tuple[RuleResult, ...], where: str,
         edits, _, figures = v.fix.partition(" (") if v.fix.startswith("set ") else (v.fix, "", "")
         first, first_fix = shown.setdefault((v.rule_id, edits), (where, v.fix))
         if first == where:
-            text = f"fix: {v.fix}"
+            text = f"fix: {pasteable(v.fix, *command)}"
         elif v.fix == first_fix or not figures:
             text = f"fix: the same as under {first} (above)"
         else:  # the same edits, this stage's own figures (e.g. the GiB it then needs)
@@ -178,22 +179,27 @@ def _memory_table(report: Report) -> Table | None:
     budget = [(_gib(m["budget_bytes"]) if m["budget_bytes"] else "-") for _, m in plans]
     table.add_row("budget", "", *budget)
     table.add_row("pp rank · in flight", "", *(f"{m['pp_rank']} · {m['in_flight']}" for _, m in plans), style="dim")
+    if any(m.get("host_offload_bytes") for _, m in plans):  # parallel.cpu_offloading (V4-HOST-MEMORY checks the node)
+        table.add_row("host: offloaded inputs", "pinned", *(_gib(m.get("host_offload_bytes", 0)) for _, m in plans))
     return table
 
 
-def render(report: Report, recipe: Any) -> None:
-    """Print the human report: header, recipe-wide rules, one block per stage, summary."""
+def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None) -> None:
+    """Print the human report: header, recipe-wide rules, one block per stage, summary.
+
+    ``command``: the recipe path and the overrides as the user gave them; each fix made of edits is then printed
+    as a ``v4launch validate`` line to paste (``fix_command.pasteable``)."""
     con = OUT.console
     saved = con._width
     if not con.is_terminal:  # piped output: don't fold the tables at 80 columns
         con.width = max(con.width, 160)
     try:
-        _render(report, recipe, con)
+        _render(report, recipe, con, command or (report.path or report.recipe, []))
     finally:
         con._width = saved
 
 
-def _render(report: Report, recipe: Any, con: Any) -> None:
+def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]]) -> None:
     from ..recipe_loading import display_path
 
     c, p = recipe.cluster, recipe.parallel
@@ -205,11 +211,11 @@ def _render(report: Report, recipe: Any, con: Any) -> None:
         con.print(Text(recipe.description, style="dim"))
     con.print("\n[bold]recipe-wide rules[/bold]")
     shown: dict[tuple[str, str], tuple[str, str]] = {}
-    _block(con, report.recipe_results, "the recipe-wide rules", shown)
+    _block(con, report.recipe_results, "the recipe-wide rules", shown, command)
     for stage in report.stages:
         con.print()
         con.print(_stage_lines(stage))
-        _block(con, stage.results, f"stage {stage.index} {stage.name}", shown)
+        _block(con, stage.results, f"stage {stage.index} {stage.name}", shown, command)
     table = _memory_table(report)
     if table is not None:
         con.print("\n[bold]memory plan[/bold] (per GPU, on the pipeline rank that needs the most; "

@@ -1,0 +1,62 @@
+"""A rule's fix as a command line that can be pasted as it is.
+
+Rules write a fix as ``set k=v k2=v2 (what it gives)``, or alternatives ``set k=v (…), or k3=v3 (…)``
+(``validators/memory_fixes.py``: each edit already one shell word). The report prints each ``set`` clause as
+``v4launch validate RECIPE OVERRIDES k=v k2=v2``: the recipe as the user named it and the overrides they
+gave, less those the fix sets again, so the pasted line validates the fixed recipe. A fix that is prose
+(``remove 'qkv_linear' from …``) is printed unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+_EDIT = re.compile(r"[A-Za-z_][\w]*(?:\.[\w*]+)+=.*", re.S)
+"""One dotlist edit ``section.key=value`` (after the shell has removed any quotes)."""
+
+
+_TAIL = re.compile(r" \(|; ")
+"""Where a clause's edits end: its note in parentheses or a sentence after a semicolon."""
+
+
+def _split_tail(clause: str) -> list[str]:
+    """``k=v (note)`` -> [``k=v``, `` (``, ``note)``]; ``k=v; text`` -> [``k=v``, ``; ``, ``text``]; no tail:
+    [clause, "", ""]."""
+    m = _TAIL.search(clause)
+    return [clause[:m.start()], m.group(0), clause[m.end():]] if m else [clause, "", ""]
+
+
+def _edits(words: str) -> list[str] | None:
+    """The edits of ``words`` (``k=v 'k2=a|b'``), or None when any word is not an edit."""
+    try:
+        parts = shlex.split(words)
+    except ValueError:
+        return None
+    return parts if parts and all(_EDIT.fullmatch(p) for p in parts) else None
+
+
+def _command(recipe: str, overrides: list[str], edits: list[str]) -> str:
+    keys = {e.split("=", 1)[0] for e in edits}
+    kept = [o for o in overrides if o.split("=", 1)[0] not in keys]
+    return " ".join(shlex.quote(w) for w in ["v4launch", "validate", recipe, *kept, *edits])
+
+
+def pasteable(fix: str, recipe: str, overrides: list[str]) -> str:
+    """``fix`` with each ``set`` clause of edits turned into a ``v4launch validate`` command line.
+
+    Args:
+        fix: the rule's fix text. recipe: the recipe path as the user gave it. overrides: their dotlist
+            overrides (``k=v`` strings), in order.
+    Returns: the text to print; unchanged when it holds no ``set`` clause made only of edits.
+    """
+    if not fix.startswith("set "):
+        return fix
+    out = []
+    for clause in fix[4:].split(", or "):
+        words, sep, rest = _split_tail(clause)
+        edits = _edits(words)
+        if edits is None:
+            return fix
+        out.append(f"`{_command(recipe, overrides, edits)}`" + (sep + rest if sep else ""))
+    return "run " + ", or ".join(out)
