@@ -40,15 +40,25 @@ ROWS = [("none", 2, 8192), ("none", 2, 32768), ("full", 2, 65536), ("full", 4, 6
 128K-token Flash-width layer does not fit one H200 even recomputed)."""
 
 
-def recipe_for(granularity: str, layers: int, tokens: int, phase: str = "sparse", path: str = "triton"):
+OPTIONS = {"": {}, "bf16": {"precision": {"params_dtype": "bf16"}},
+           "offload": {"parallel": {"cpu_offloading": True}},
+           "bf16+offload": {"precision": {"params_dtype": "bf16"}, "parallel": {"cpu_offloading": True}}}
+"""A row's storage / offload option (the 4th field of ``--rows``): bf16 GEMM weights (precision.params_dtype; one
+GPU, no FSDP: every matrix), the layer inputs in host memory (parallel.cpu_offloading, whole-layer recompute)."""
+
+
+def recipe_for(granularity: str, layers: int, tokens: int, phase: str = "sparse", path: str = "triton",
+               option: str = ""):
     """The recipe whose stage 0 is the row (validated by the schema, not by the rules)."""
     from v4launch.validators.schema.recipe import Recipe
 
     model = {**FLASH_WIDTHS, "n_layers": layers, "compress_ratios": [4, 128] * (layers // 2),
              "max_position_embeddings": max(tokens, 65536)}
+    extra = OPTIONS[option]
     return Recipe.model_validate({
         "name": "measured", "model": model, "attention": {"kernel_backend": path, "kl_chunk_size": 1024},
-        "parallel": {"recompute_granularity": granularity},
+        "parallel": {"recompute_granularity": granularity, **extra.get("parallel", {})},
+        "precision": extra.get("precision", {}),
         "cluster": {"gpu": "H200", "nodes": 1, "gpus_per_node": 1},
         "curriculum": {"stages": [{"name": "s", "seq_len": tokens, "phase": phase, "steps": 1}]}})
 
@@ -75,6 +85,13 @@ def measure(recipe) -> dict:
     model = V4Model(model_args_from_recipe(recipe), phase=st.phase, chunk_size=recipe.attention.kl_chunk_size,
                     kernel_backend=recipe.attention.kernel_backend).to(device)
     apply_recompute(model, modules_from_recipe(recipe.parallel.recompute_granularity, recipe.parallel.recompute_modules))
+    if recipe.parallel.cpu_offloading:
+        from v4launch.model.parallel.offload import apply_activation_offload
+
+        apply_activation_offload(model)
+    from v4launch.model.parallel.storage import apply_param_storage
+
+    apply_param_storage(model, recipe.precision.params_dtype, fsdp=False)
     T = st.seq_len
     tokens = torch.randint(0, recipe.model.vocab_size, (T,), device=device)
     labels = torch.randint(0, recipe.model.vocab_size, (T,), device=device)
@@ -102,19 +119,22 @@ def measure(recipe) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", nargs="*", default=None, help="granularity:L:T entries (default: ROWS)")
+    ap.add_argument("--rows", nargs="*", default=None,
+                    help="granularity:L:T[:option] entries, option one of " + ", ".join(o for o in OPTIONS if o)
+                         + " (default: ROWS)")
     ap.add_argument("--plan-only", action="store_true", help="print the plan's figures, measure nothing")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    rows = [(g, int(L), int(T)) for g, L, T in (r.split(":") for r in a.rows)] if a.rows else ROWS
+    rows = [(g, int(L), int(T), *opt) for g, L, T, *opt in (r.split(":") for r in a.rows)] if a.rows else ROWS
     gib = float(1 << 30)
     results = []
     print(f"{'recompute':9} {'L':>2} {'T':>7} {'plan GiB':>9} {'measured GiB':>13} {'error':>7}")
-    for granularity, layers, tokens in rows:
-        recipe = recipe_for(granularity, layers, tokens)
+    for granularity, layers, tokens, *opt in rows:
+        option = opt[0] if opt else ""
+        recipe = recipe_for(granularity, layers, tokens, option=option)
         planned = planned_bytes(recipe)
         row = {"phase": "sparse", "path": "triton", "recompute": granularity, "L": layers, "T": tokens,
-               "plan": planned}
+               "plan": planned, **({"option": option} if option else {})}
         if not a.plan_only:
             try:
                 row.update(measure(recipe))
@@ -122,7 +142,7 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         measured = row["params"] + row["peak"] if "peak" in row else None
         err = f"{planned / measured - 1:+.1%}" if measured else row.get("error", "-")[:40]
-        print(f"{granularity:9} {layers:>2} {tokens:>7} {planned / gib:9.2f} "
+        print(f"{granularity + (':' + option if option else ''):9} {layers:>2} {tokens:>7} {planned / gib:9.2f} "
               f"{(measured or 0) / gib:13.2f} {err:>7}", flush=True)
         results.append(row)
         if a.json:  # after every row: a later row may run out of memory or out of time

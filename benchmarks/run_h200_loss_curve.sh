@@ -1,25 +1,44 @@
 #!/usr/bin/env bash
-# One-H200 batch for issue 17's bf16 check: recipes/bench_h200.yaml trained twice on the same data, side by
-# side on the one GPU: A = the float32 reference path (precision.dtype=fp32, reference attention kernels),
-# B = bf16 with the Triton kernels as shipped plus B_OVERRIDES (e.g. "compile.enable=true"). STEPS (default
-# "80 20 100": dense, warm-up, sparse) at SEQ tokens per sequence (default 4096: the float32 reference path took
-# 3.3 s per 8K step in layouts_gpu.py, so 200 4K steps should fit one call; not yet run). Then benchmarks/compare_runs.py A B (windows of 20
-# steps, limit 2%): $OUT/compare.txt, the two logs, both metrics.jsonl.
+# One-H200 batch: does bf16 training (and each storage / offload option) track the float32 reference?
+# recipes/bench_h200.yaml trained on the same data, side by side on the one GPU, STEPS (default "80 20 100":
+# dense, warm-up, sparse) at SEQ tokens per sequence (default 4096):
+#   fp32_reference  precision.dtype=fp32 on the reference attention kernels, eager (no compile, no CUDA graph:
+#                   V4-CUDA-GRAPH refuses a graph in float32 compute)
+#   bf16_kernels    bf16 with the Triton kernels as shipped (compiled blocks + CUDA graphs) plus B_OVERRIDES
+#   bf16_storage    bf16_kernels with precision-aware storage: bf16 GEMM weights + 16-bit remainders, bf16 moments
+#   bf16_offload    bf16_kernels with whole-layer recompute and the layer inputs in host memory (no CUDA graph:
+#                   host copies cannot be captured)
+# VARIANTS picks a subset (default all four). Then benchmarks/compare_runs.py of each against fp32_reference
+# (windows of 20 steps, limit 2%): $OUT/compare_<variant>.txt, the logs, every metrics.jsonl.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 read -r S0 S1 S2 <<< "${STEPS:-80 20 100}"
 SEQ=${SEQ:-4096}
+VARIANTS=${VARIANTS:-fp32_reference bf16_kernels bf16_storage bf16_offload}
 COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.stages.2.steps=$S2 logging.interval_steps=1"
 for i in 0 1 2; do COMMON="$COMMON curriculum.stages.$i.seq_len=$SEQ"; done
+STORAGE="precision.params_dtype=bf16 precision.store_param_remainders=true precision.exp_avg_dtype=bf16 precision.exp_avg_sq_dtype=bf16"
+OFFLOAD="parallel.recompute_granularity=full parallel.cpu_offloading=true compile.cuda_graph=false"
 run() {  # name, overrides...
     local name=$1; shift
     mkdir -p /tmp/ws_$name/.v4launch && (cd /tmp/ws_$name && timeout ${RUN_TIMEOUT:-540} python3 -m v4launch run \
         $REPO/recipes/bench_h200.yaml --no-progress $COMMON "$@" > $OUT/${name}.log 2>&1; echo "$name exit $?")
     cp /tmp/ws_$name/runs/*/metrics.jsonl $OUT/${name}_metrics.jsonl 2>/dev/null
 }
-run fp32_reference precision.dtype=fp32 attention.kernel_backend=reference &
-run bf16_kernels ${B_OVERRIDES:-} &
+for v in $VARIANTS; do
+  case $v in
+  fp32_reference) run fp32_reference precision.dtype=fp32 attention.kernel_backend=reference compile.enable=false \
+                      compile.cuda_graph=false & ;;
+  bf16_kernels) run bf16_kernels ${B_OVERRIDES:-} & ;;
+  bf16_storage) run bf16_storage $STORAGE ${B_OVERRIDES:-} & ;;
+  bf16_offload) run bf16_offload $OFFLOAD ${B_OVERRIDES:-} & ;;
+  esac
+done
 wait
-grep -hE "held-out|memory|completed" $OUT/fp32_reference.log $OUT/bf16_kernels.log | cut -c1-160
-python3 $REPO/benchmarks/compare_runs.py $OUT/fp32_reference_metrics.jsonl $OUT/bf16_kernels_metrics.jsonl \
-    --window ${WINDOW:-20} --limit ${LIMIT:-0.02} | tee $OUT/compare.txt
+for v in $VARIANTS; do grep -hE "held-out|memory|completed|Error" $OUT/$v.log | cut -c1-160 | sed "s/^/$v: /"; done
+for v in $VARIANTS; do
+  [ "$v" = fp32_reference ] && continue
+  echo "== $v against fp32_reference"
+  python3 $REPO/benchmarks/compare_runs.py $OUT/fp32_reference_metrics.jsonl $OUT/${v}_metrics.jsonl \
+      --window ${WINDOW:-20} --limit ${LIMIT:-0.02} | tee $OUT/compare_$v.txt
+done
