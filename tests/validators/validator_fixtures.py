@@ -105,6 +105,13 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-CUDA-GRAPH-UNUSED": ([*ONE_GPU_GRAPH, "attention.kernel_backend=reference"], ONE_GPU_GRAPH),
     # a 64K stage at cp 2 on a 6 GiB budget: the plan's fix (cp 4) fits
     "V4-MEMORY": (["cluster.gpu_memory_gib=6", "curriculum.stages.3.seq_len=65536"], []),
+    # the twin recomputes whole layers at ep 1 and cp 1, where the recompute replays no collective
+    # (V4-RECOMPUTE-REPLAY would warn at the base's ep 2 and its cp 2 stage)
+    "V4-OFFLOAD-RECOMPUTE": (["parallel.cpu_offloading=true"],
+                             ["parallel.cpu_offloading=true", "parallel.recompute_granularity=full",
+                              "parallel.ep=1", "curriculum.stages.3.cp=1"]),
+    # 8 ranks x (offloaded inputs + 16 GiB per process) > 100 GiB; 1 TiB holds them
+    "V4-HOST-MEMORY": (["cluster.host_memory_gib=100"], ["cluster.host_memory_gib=1024"]),
 }
 
 UNIMPLEMENTED_PREFIX = "V4-UNIMPL-"
