@@ -284,12 +284,16 @@ def refusal(plan: ResumePlan) -> RefusedError:
 # ---------------------------------------------------------------- field by field
 _DECIDED_BY: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.n_layers", "model.compress_ratios", "model.mtp.depth"), "layer schedule"),
-    (("optimizer.name", "precision.keep_fp32_params", "precision.policy."), "optimizer groups"),
+    (("optimizer.name", "precision.keep_fp32_params", "precision.policy.", "precision.params_dtype"),
+     "optimizer groups"),
     (("data.tokenizer",), "tokenizer"),
     (("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.ep",
       "parallel.pp_layout", "parallel.cp"), "parallel."),
 )
 """Fields whose verdict is the verdict of an aspect ``check_resume`` already decided."""
+
+STORAGE_FIELDS = ("precision.store_param_remainders", "precision.exp_avg_dtype", "precision.exp_avg_sq_dtype")
+"""Optimizer-state storage fields: the state a checkpoint holds is laid out by them, so a resume keeps them."""
 
 _RANK = {"refused": 3, "reshard": 2, "applied": 1, "safe": 0}
 
@@ -334,6 +338,9 @@ def _meaning(path: str, new: Any, ctx: dict[str, Any]) -> tuple[str, str, str | 
                            "`v4launch submit`): revert it"), None
     if path.startswith("slurm."):
         return "applied", "used by the next Slurm job this run submits (the relaunch and later stages)", None
+    if path in STORAGE_FIELDS:
+        return "refused", (f"the checkpoint's optimizer state is stored as the run's {path} set it (master weights, "
+                           "moments); a resume keeps the storage options: revert it, or start a new run"), None
     if path == "run.seed":
         return "applied", (f"each stage started from here seeds its RNG from run.seed={new}; parameters keep their "
                            "trained values (their initialisation is not redone)"), None
