@@ -19,6 +19,14 @@ eps, adjust_lr_fn):
 
 State (``momentum_buffer``, a DTensor shaped like the parameter under FSDP) and param-group keys
 are torch.optim.Muon's, so checkpoints of either load into the other.
+
+Precision-aware storage (``storage=StorageOptions``, ``master_weights.py``; Megatron-LM's
+``store_param_remainders`` / ``exp_avg_dtype``): a bf16 parameter keeps an exact fp32 master in its state
+(``master_remainder`` int16, or ``master_param`` fp32), and ``momentum_buffer`` may be stored in bf16.
+Steps 1-5 then run, chunk by chunk, on fp32 temporaries (the master; the bf16 gradient and momentum
+upcast), so the master's trajectory is bitwise the one of an fp32 parameter under this Muon (same
+``ns_dtype``) given the same gradients; the master is split back into the bf16 parameter (nearest, ties
+away) and its remainder, the momentum rounded to nearest even into its storage.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
+
+from .master_weights import (StorageOptions, check_param, ensure_master, master_work, restore_loaded_dtypes,
+                             store_master, store_state, upcast)
 
 
 def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -107,12 +118,18 @@ class Muon(torch.optim.Muon):
     path without communication. Cost under sharding: one all-gather of each matrix's update
     per step and Newton–Schulz on the whole matrix on every rank of the shard group.
 
+    ``storage`` (None: states in the parameter's dtype, as torch) selects the precision-aware storage of
+    the module docstring. Bytes per parameter: fp32 weight 4 + gradient 4 + momentum 4; bf16 weight with
+    remainder 2 + 2, gradient 2, momentum 4 (bf16: 2).
+
     Raises:
         ValueError: as ``torch.optim.Muon`` (a parameter that is not 2-D, negative lr, ...), or
-            ns_steps >= 100 / not three ns_coefficients in a group.
+            ns_steps >= 100 / not three ns_coefficients in a group; with ``storage``, a float16 parameter.
     """
 
-    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any) -> None:
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype = torch.bfloat16,
+                 storage: StorageOptions | None = None, **kwargs: Any) -> None:
+        self.storage = storage  # read by add_param_group, which torch's constructor calls
         super().__init__(params, *args, **kwargs)
         self.ns_dtype = ns_dtype
         for group in self.param_groups:
@@ -120,6 +137,21 @@ class Muon(torch.optim.Muon):
                 raise ValueError(f"Muon group {group.get('name', '?')}: ns_steps={group['ns_steps']} must be < 100 "
                                  f"and ns_coefficients={group['ns_coefficients']} three values. Fix: use the "
                                  "defaults (5 steps, (3.4445, -4.7750, 2.0315)).")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; with ``storage``, float16 parameters are refused (ValueError)."""
+        super().add_param_group(param_group)
+        if self.storage is not None:
+            for p in self.param_groups[-1]["params"]:
+                check_param(p, self.storage)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``; with ``storage``, states keep their storage dtypes (torch would cast them
+        to the parameter's dtype: a bf16 parameter's fp32 momentum to bf16). Raises: as
+        :func:`master_weights.restore_loaded_dtypes` (a bf16 parameter's state without its master)."""
+        super().load_state_dict(state_dict)
+        if self.storage is not None:
+            restore_loaded_dtypes(self, state_dict, self.storage)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -157,19 +189,45 @@ class Muon(torch.optim.Muon):
     """Upper bound on the update elements held for one chunk of the step (64 Mi: 256 MiB in float32)."""
 
     def _step_chunk(self, params: list[torch.Tensor], group: dict) -> None:
-        """Steps 1-5 for ``params`` (all with gradients): momentum, whole updates, Newton–Schulz, update."""
-        for p in params:
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        grads = [_local(p.grad) for p in params]
-        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        """Steps 1-5 for ``params`` (all with gradients): momentum, whole updates, Newton–Schulz, update.
+
+        Without ``storage`` the parameters, gradients and momentum buffers are updated as they are. With it,
+        on fp32 temporaries of this chunk: a bf16 parameter's master (:func:`master_weights.master_work`),
+        bf16 gradients and bf16-stored buffers upcast; then the master is split back into the bf16 parameter
+        (and its remainder) and the buffers are rounded to their storage dtype (nearest even).
+        """
+        if self.storage is None:
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            self._update(params, [_local(p) for p in params], [_local(p.grad) for p in params],
+                         [_local(self.state[p]["momentum_buffer"]) for p in params], group)
+            return
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states):
+            if "momentum_buffer" not in state:
+                dtype = self.storage.state_dtype("momentum_buffer", p)
+                state["momentum_buffer"] = torch.zeros_like(p.grad, dtype=dtype, memory_format=torch.preserve_format)
+            ensure_master(state, p, self.storage)
+        masters = [master_work(p, state) for p, state in zip(params, states)]
+        bufs = [upcast(state["momentum_buffer"]) for state in states]
+        self._update(params, masters, [upcast(p.grad) for p in params], bufs, group)
+        for p, state, master, buf in zip(params, states, masters, bufs):
+            store_master(p, state, master)
+            store_state(state["momentum_buffer"], buf)
+
+    def _update(self, params: list[torch.Tensor], works: list[torch.Tensor], grads: list[torch.Tensor],
+                bufs: list[torch.Tensor], group: dict) -> None:
+        """Steps 1-5 on local tensors: ``works[i]`` (the weights updated in place; ``params[i]``'s local piece or
+        its fp32 master), ``grads[i]`` and ``bufs[i]`` (momentum, updated in place); ``params`` give the shapes
+        and placements."""
         momentum = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-        stacks: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p, update in zip(params, updates):
+        stacks: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, (p, update) in enumerate(zip(params, updates)):
             whole = _whole(update, p)
-            stacks.setdefault((tuple(whole.shape), whole.device), []).append((p, whole))
+            stacks.setdefault((tuple(whole.shape), whole.device), []).append((i, whole))
         lr = float(group["lr"])
         args = (group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
         for items in stacks.values():
@@ -177,8 +235,8 @@ class Muon(torch.optim.Muon):
                 orthos = [newton_schulz(items[0][1], *args)]
             else:
                 orthos = newton_schulz(torch.stack([w for _, w in items]), *args).unbind(0)
-            locals_ = [_local(p) for p, _ in items]
+            locals_ = [works[i] for i, _ in items]
             torch._foreach_mul_(locals_, 1 - lr * group["weight_decay"])
-            shape = items[0][0].shape  # same global shape: one adjusted learning rate for the stack
-            torch._foreach_add_(locals_, [_my_shard(o, p) for (p, _), o in zip(items, orthos)],
+            shape = params[items[0][0]].shape  # same global shape: one adjusted learning rate for the stack
+            torch._foreach_add_(locals_, [_my_shard(o, params[i]) for (i, _), o in zip(items, orthos)],
                                 alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
