@@ -19,8 +19,9 @@ magnitude gives each bf16 value exactly 2^16 preimages (magnitudes ``[h - 0x8000
 int16. So the bf16 parameter the model computes with is the master rounded to nearest (ties away), not
 ``master.to(bfloat16)``; both master variants (remainder, fp32 copy) use this rounding, so their bf16
 parameters are bitwise equal. Edge cases: a finite master above the largest bf16 plus half an ulp
-(|x| >= 3.3961e38) gives an inf ``h`` and still joins back exactly; NaN patterns whose magnitude is
->= 0x7FFF8000 keep a NaN ``h`` but do not round-trip (the remainder does not fit); nothing raises.
+(|x| >= 3.3961e38) gives an inf ``h`` and still joins back exactly; a quiet NaN (what arithmetic
+produces) gives a NaN ``h`` (a signalling NaN with only low mantissa bits may give inf); NaN patterns whose
+magnitude is >= 0x7FFF8000 do not round-trip (the remainder does not fit); nothing raises.
 
 Bytes per parameter (weight + gradient + optimizer state)::
 

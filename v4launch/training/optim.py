@@ -28,7 +28,11 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 
+from .master_weights import (StorageOptions, check_param, ensure_master, local_view, master_work,
+                             restore_loaded_dtypes, store_master, store_state, upcast)
 from .muon import Muon
 
 GROUP_KINDS = ("muon", "adamw_decay", "adamw_no_decay")
@@ -67,6 +71,123 @@ def _tag(name: str) -> str:
     return "indexer" if ".indexer." in name else "base"
 
 
+class PrecisionAwareAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with bf16 parameters over an exact fp32 master and bf16-stored moments.
+
+    Source: Megatron-LM's precision-aware optimizer (``store_param_remainders``, ``exp_avg_dtype``,
+    ``exp_avg_sq_dtype``); the math is torch's own functional ``torch.optim.adamw.adamw`` (torch 2.13), run
+    on fp32 temporaries with the implementation (fused / foreach / single-tensor) torch's ``AdamW.step``
+    would pick for these parameters and flags. Given the same gradients, a bf16 parameter's master follows
+    bitwise the trajectory of an fp32 parameter under ``torch.optim.AdamW`` with the same hyper-parameters.
+
+    Per step and group, parameters go in chunks of at most :attr:`chunk_elements` elements (a larger
+    parameter is a chunk of its own). For each chunk: the fp32 master (the parameter itself when it is not
+    bf16; the fp32 copy ``master_param``; or a new tensor joined from the bf16 parameter and its int16
+    ``master_remainder``), the gradient (bf16 upcast) and ``exp_avg`` / ``exp_avg_sq`` (bf16 upcast) go
+    through ``adamw``; the master is written back (split into parameter + remainder, or the parameter
+    rounded ties-away from the copy) and bf16 moments are rounded to nearest even. Transient memory: at most
+    four fp32 tensors of the chunk (master, gradient, two moments) plus ``adamw``'s own temporaries.
+
+    State keys are torch's (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) plus the master's
+    (``master_remainder`` int16 or ``master_param`` fp32, bf16 parameters only), created at a parameter's
+    first step (the master from the parameter's value: remainder zeros). ``step`` is placed as torch places
+    it (a CPU scalar, or on the device when fused / capturable). Bytes per parameter: fp32 4 + gradient 4 +
+    moments 4 + 4; bf16 with remainder 2 + 2, gradient 2, moments 4 + 4 (bf16: 2 + 2).
+
+    Args:
+        params, **kwargs: as ``torch.optim.AdamW`` (``differentiable`` is not supported).
+        storage: masters and state dtypes (``master_weights.StorageOptions``).
+    Raises:
+        ValueError: as ``torch.optim.AdamW``; a float16 parameter.
+        RuntimeError: ``differentiable=True``; a sparse or complex gradient at ``step``.
+    """
+
+    chunk_elements: int = 1 << 26
+    """Upper bound on the parameter elements one chunk of the step holds in fp32 (64 Mi: 256 MiB a tensor)."""
+
+    def __init__(self, params: Any, *, storage: StorageOptions, **kwargs: Any) -> None:
+        if kwargs.get("differentiable"):
+            raise RuntimeError("PrecisionAwareAdamW: differentiable=True is not supported (the step writes masters "
+                               "and states in place). Fix: use torch.optim.AdamW (storage None).")
+        self.storage = storage  # read by add_param_group, which torch's constructor calls
+        super().__init__(params, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; float16 parameters are refused (ValueError)."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            check_param(p, self.storage)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` with states kept in their storage dtypes (torch casts them to the
+        parameter's). Raises: as :func:`master_weights.restore_loaded_dtypes`."""
+        super().load_state_dict(state_dict)
+        restore_loaded_dtypes(self, state_dict, self.storage)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every group (see the class docstring); returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("PrecisionAwareAdamW supports dense real parameters only")
+            if not params:
+                continue
+            fused, foreach = group["fused"], group["foreach"]
+            if fused is None and foreach is None:  # torch's default, decided on the parameters themselves
+                _, foreach = _default_to_fused_or_foreach(params, False, use_fused=False)
+                foreach = foreach and not (torch.is_tensor(group["lr"]) and not group["capturable"])
+            chunk: list[torch.Tensor] = []
+            held = 0
+            for p in params:
+                chunk.append(p)
+                held += p.numel()
+                if held >= self.chunk_elements:
+                    self._step_chunk(chunk, group, bool(fused), bool(foreach))
+                    chunk, held = [], 0
+            if chunk:
+                self._step_chunk(chunk, group, bool(fused), bool(foreach))
+        return loss
+
+    def _state(self, p: torch.Tensor, group: dict) -> dict:
+        """``p``'s state, created as torch's ``Adam._init_group`` does (moments in their storage dtypes)."""
+        state = self.state[p]
+        if "step" not in state:
+            on_device = group["capturable"] or group["fused"]
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            for key in keys:
+                state[key] = torch.zeros_like(p, dtype=self.storage.state_dtype(key, p),
+                                              memory_format=torch.preserve_format)
+        ensure_master(state, p, self.storage)
+        return state
+
+    def _step_chunk(self, params: list[torch.Tensor], group: dict, fused: bool, foreach: bool) -> None:
+        """One ``adamw`` call on fp32 temporaries of ``params`` (all with gradients), then the write-back."""
+        states = [self._state(p, group) for p in params]
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        moments = {k: [upcast(state[k]) for state in states] for k in keys}
+        masters = [master_work(p, state) for p, state in zip(params, states)]
+        beta1, beta2 = group["betas"]
+        adamw(masters, [upcast(local_view(p.grad)) for p in params], moments["exp_avg"], moments["exp_avg_sq"],
+              moments.get("max_exp_avg_sq", []), [state["step"] for state in states], foreach=foreach,
+              capturable=group["capturable"], differentiable=False, fused=fused,
+              grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
+              has_complex=False, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        for p, state, master in zip(params, states, masters):
+            store_master(p, state, master)
+        for key in keys:
+            for state, work in zip(states, moments[key]):
+                store_state(state[key], work)
+
+
 class Optimizers:
     """Muon + AdamW behind one step/zero_grad interface; groups carry ``name`` and ``kind``.
 
@@ -83,12 +204,17 @@ class Optimizers:
             float64 to compare layouts exactly).
         tags: which parameters to take now: ``base`` and/or ``indexer`` (a rebuilt sharded model takes
             ``base``, loads the old state, then :meth:`add_params` the new indexers, as a phase change does).
+        storage: None (default): ``torch.optim.AdamW`` (fused on GPUs) and :class:`muon.Muon` as they are.
+            A ``master_weights.StorageOptions`` (``storage_for(recipe.precision)``): :class:`PrecisionAwareAdamW`
+            and Muon with exact fp32 masters for bf16 parameters (convert them before building this) and
+            moments stored in the given dtypes; the update math is the same, in fp32.
     """
 
     def __init__(self, model: nn.Module, cfg: Any, *, muon_ns_dtype: torch.dtype = torch.bfloat16,
-                 tags: tuple[str, ...] = ("base", "indexer")) -> None:
+                 tags: tuple[str, ...] = ("base", "indexer"), storage: StorageOptions | None = None) -> None:
         self.cfg = cfg
         self.muon_ns_dtype = muon_ns_dtype
+        self.storage = storage
         self.muon: torch.optim.Optimizer | None = None
         self.adamw: torch.optim.Optimizer | None = None
         for tag in tags:
@@ -122,15 +248,19 @@ class Optimizers:
             if kind == "muon":
                 if self.muon is None:
                     self.muon = Muon([group], lr=c.muon_lr, weight_decay=wd, momentum=c.muon_momentum,
-                                     ns_dtype=self.muon_ns_dtype)
+                                     ns_dtype=self.muon_ns_dtype, storage=self.storage)
                 else:
                     self.muon.add_param_group(group)
             elif self.adamw is None:
                 # fused on GPUs: one kernel per step over all tensors (foreach's seven passes took 26 ms per
                 # step in recipes/bench_h200.yaml's profile on an H200)
                 fused = True if all(q.is_cuda for q in params) else None
-                self.adamw = torch.optim.AdamW([group], lr=c.lr, betas=tuple(c.betas), eps=c.eps, weight_decay=wd,
-                                               fused=fused)
+                if self.storage is None:
+                    self.adamw = torch.optim.AdamW([group], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                                                   weight_decay=wd, fused=fused)
+                else:
+                    self.adamw = PrecisionAwareAdamW([group], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                                                     weight_decay=wd, fused=fused, storage=self.storage)
             else:
                 self.adamw.add_param_group(group)
 
@@ -149,7 +279,11 @@ class Optimizers:
             o.step()
 
     def summary(self, model: nn.Module) -> dict[str, dict[str, Any]]:
-        """Group name -> {optimizer, dtypes {dtype: count}, n_params, names} (for the manifest and tests)."""
+        """Group name -> {optimizer, dtypes {dtype: count}, n_params, names} (for the manifest and tests).
+
+        With ``storage``, each group also has ``storage``: {"master": "int16_remainder" | "fp32_copy" |
+        "none" (no bf16 parameter), and per state key its storage dtype names, e.g. "exp_avg": "bfloat16"}.
+        """
         names = {id(p): n for n, p in model.named_parameters()}
         out: dict[str, dict[str, Any]] = {}
         for g in self.param_groups:
@@ -159,4 +293,7 @@ class Optimizers:
                 dtypes[key] = dtypes.get(key, 0) + 1
             out[g["name"]] = {"optimizer": "muon" if g["kind"] == "muon" else "adamw", "dtypes": dtypes,
                               "n_params": len(g["params"]), "names": [names.get(id(p), "?") for p in g["params"]]}
+            if self.storage is not None:
+                keys = ("momentum_buffer",) if g["kind"] == "muon" else ("exp_avg", "exp_avg_sq")
+                out[g["name"]]["storage"] = self.storage.describe(g["params"], keys)
         return out
