@@ -13,18 +13,17 @@ A proposal: recipe edits (dotted key → value) and the stage's plan with them; 
 
 A proposal is made only when every stage then fits (each fix printed is a whole one);
 ``parallel.micro_batch_size=1`` is tried first when the recipe packs several sequences per micro-batch.
-When nothing on the recipe's nodes fits, :func:`whole_recipe_fit` proposes one set of edits for the whole
-curriculum: the fewest nodes (1, 2, 4, … 64 times the recipe's), a pipeline size, the largest ep, the
-distributed optimizer, whole-layer recompute, one row per micro-batch and each stage's smallest cp that fits.
-Every proposal is then checked against every other error rule of the contract (:func:`contract_failures`,
-V4-MEMORY left out): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or V4-CUDA-GRAPH is never
-proposed (:func:`graph_compatible` turns the graph off where a fix splits the step). Sizes are searched over
-divisors only, so an absurd world size costs no more than a real one."""
+When nothing on the recipe's nodes fits, ``memory_fixes_whole.whole_recipe_fit`` proposes one set of edits for
+the whole curriculum on more nodes. Every proposal is then checked against every other error rule of the
+contract (the ``contract`` argument: ``rules/contract.py`` ``contract_failures``, V4-MEMORY left out; passed in
+so that this module never imports the rules): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or
+V4-CUDA-GRAPH is never proposed (:func:`graph_compatible` turns the graph off where a fix splits the step).
+Sizes are searched over divisors only, so an absurd world size costs no more than a real one."""
 
 from __future__ import annotations
 
-import contextvars
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import gcd
 from typing import Any
@@ -43,8 +42,8 @@ BF16_STORAGE = {"precision.params_dtype": "bf16", "precision.store_param_remaind
 gradients, bf16 optimizer moments (validators/storage_policy.py): 8 B per such parameter instead of 12."""
 OFFLOAD = {"parallel.cpu_offloading": True, **FULL_RECOMPUTE}
 """Whole-layer recompute with the layer inputs in pinned host memory between forward and backward."""
-MAX_NODE_SCALE = 64
-"""Largest multiple of the recipe's nodes a proposal considers."""
+Contract = Callable[[Recipe], list[str]]
+"""The ids of the error rules a candidate recipe fails, V4-MEMORY left out (``rules/contract.py``)."""
 
 
 @dataclass(frozen=True)
@@ -102,17 +101,17 @@ def graph_compatible(recipe: Recipe, edits: dict[str, Any]) -> dict[str, Any]:
     return {**edits, "compile.cuda_graph": False} if splits and recipe.compile.cuda_graph else edits
 
 
-def _plan(recipe: Recipe, index: int, edits: dict[str, Any]) -> MemoryPlan | None:
+def _plan(recipe: Recipe, index: int, edits: dict[str, Any], contract: Contract) -> MemoryPlan | None:
     """The stage's plan with ``edits`` when every stage then fits and the edited recipe breaks no other error rule."""
     try:
         edited = with_edits(recipe, edits)
         plan = memory_plan(edited, index)
     except (PlanUnavailable, ValueError, ZeroDivisionError):
         return None
-    if not plan.fits or contract_failures(edited):
+    if not plan.fits or contract(edited):
         return None
     for other in range(len(recipe.curriculum.stages)):  # a fix that leaves another stage over budget is no fix
-        if other != index and not _fits(recipe, other, edits):
+        if other != index and not stage_fits(recipe, other, edits):
             return None
     return plan
 
@@ -130,49 +129,8 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-_SEARCHING: contextvars.ContextVar[bool] = contextvars.ContextVar("memory_fix_search", default=False)
-
-
-def searching() -> bool:
-    """True while :func:`contract_failures` checks a candidate recipe: a rule whose fix text itself runs a
-    fix search (V4-EP-FOLD's) gives its plain fix then, so the search never nests."""
-    return _SEARCHING.get()
-
-
-def contract_failures(recipe: Recipe, skip: tuple[str, ...] = ("V4-MEMORY",)) -> list[str]:
-    """The ids of the error rules (other than ``skip``) that ``recipe`` fails, in registry order.
-
-    A rule that raises counts as failed (the report shows such a crash as a failure too).
-    """
-    token = _SEARCHING.set(True)
-    try:
-        return _contract_failures(recipe, skip)
-    finally:
-        _SEARCHING.reset(token)
-
-
-def _contract_failures(recipe: Recipe, skip: tuple[str, ...]) -> list[str]:
-    from .rules import RULES
-    from .rules.base import Context, Finding
-
-    contexts = {"recipe": [Context(recipe)],
-                "stage": [Context(recipe, i) for i in range(len(recipe.curriculum.stages))]}
-    failed = []
-    for rule in RULES.values():
-        if rule.id in skip or rule.severity != "error":
-            continue
-        for ctx in contexts[rule.scope]:
-            try:
-                out = rule.check(ctx)
-            except Exception:  # noqa: BLE001 - as the report: a crash is a failure
-                out = [None]
-            if isinstance(out, Finding) or (isinstance(out, list) and out):
-                failed.append(rule.id)
-                break
-    return failed
-
-
-def _cp_ok(recipe: Recipe, index: int, cp: int, shard: int) -> bool:
+def cp_ok(recipe: Recipe, index: int, cp: int, shard: int) -> bool:
+    """Stage ``index`` splits evenly over ``cp`` of ``shard`` ranks, each rank keeping at least the boundary width."""
     st, m = recipe.curriculum.stages[index], recipe.model
     rows = st.seq_len * recipe.parallel.micro_batch_size
     return (shard % cp == 0 and rows % cp == 0 and st.seq_len % cp == 0
@@ -188,7 +146,7 @@ def _single_changes(recipe: Recipe, index: int) -> list[dict[str, Any]]:
     cp_now = recipe.stage_cp(st)
     out = []
     for cp in divisors(shard):
-        if cp > cp_now and _cp_ok(recipe, index, cp, shard):
+        if cp > cp_now and cp_ok(recipe, index, cp, shard):
             out.append({f"curriculum.stages.{index}.cp": cp})
     for ep in divisors(gcd(m.moe.n_routed_experts, shard)):
         if ep > p.ep:
@@ -225,16 +183,16 @@ def _combined(recipe: Recipe, index: int) -> dict[str, Any] | None:
         if "parallel.pp" not in edits:
             merged.update(edits)
     for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # storage and offload only where needed
-        edits = _changed(recipe, {**merged, **extra})
-        if edits and _fits(recipe, index, edits):
+        edits = changed_edits(recipe, {**merged, **extra})
+        if edits and stage_fits(recipe, index, edits):
             return edits
-    return _changed(recipe, {**merged, **BF16_STORAGE, **OFFLOAD}) or None
+    return changed_edits(recipe, {**merged, **BF16_STORAGE, **OFFLOAD}) or None
 
 
-def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
+def fit_proposals(recipe: Recipe, index: int, contract: Contract, limit: int = 3) -> list[Proposal]:
     """Up to ``limit`` edits that make stage ``index`` fit on the recipe's nodes and break no other error
-    rule (smallest first), else the combination of them when it does; [] when nothing on these nodes
-    does (:func:`whole_recipe_fit` then searches more nodes and other pipeline sizes)."""
+    rule (``contract``; smallest first), else the combination of them when it does; [] when nothing on these
+    nodes does (``memory_fixes_whole.whole_recipe_fit`` then searches more nodes and other pipeline sizes)."""
     found: list[Proposal] = []
     seen: set[str] = set()
     for edits in _single_changes(recipe, index) + _recompute_changes(recipe) + _storage_changes(recipe):
@@ -242,7 +200,7 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
         edits = graph_compatible(recipe, edits)
         if key in seen:
             continue
-        plan = _plan(recipe, index, edits)
+        plan = _plan(recipe, index, edits, contract)
         if plan is not None:
             found.append(Proposal(edits, plan))
             seen.add(key)
@@ -252,143 +210,19 @@ def fit_proposals(recipe: Recipe, index: int, limit: int = 3) -> list[Proposal]:
         return found
     combined = _combined(recipe, index)
     combined = graph_compatible(recipe, combined) if combined else None
-    plan = _plan(recipe, index, combined) if combined else None
+    plan = _plan(recipe, index, combined, contract) if combined else None
     return [Proposal(combined, plan)] if plan is not None else []
 
 
-_WHOLE_CACHE: dict[int, tuple[Recipe, "Proposal | None"]] = {}
-
-
-def whole_recipe_fit(recipe: Recipe) -> Proposal | None:
-    """One set of edits under which every curriculum stage fits and no other error rule fails, else None.
-
-    Search order (the first that works is returned): the recipe's nodes, then 2, 4, … ``MAX_NODE_SCALE`` times
-    as many, then the powers of two above the recipe's nodes (:func:`_node_counts`); at each, the recipe's pp
-    first, then 1, 2, 4, … (a balanced ``pp_layout`` from the cost model when pp changes); the largest ep
-    dividing the experts and the pipeline rank's ranks (fewest experts per GPU); the distributed optimizer and whole-layer recompute; per stage the smallest cp that fits (the
-    most data parallelism); the global batches doubled until every stage splits them over its dp into
-    enough micro-batches for the schedule. ``Proposal.plan`` is the plan of the stage that needs the most.
-    Cached per recipe object (every failing stage of one validate run shares the answer).
-    """
-    hit = _WHOLE_CACHE.get(id(recipe))
-    if hit is not None and hit[0] is recipe:
-        return hit[1]
-    if len(_WHOLE_CACHE) > 8:
-        _WHOLE_CACHE.clear()
-    found = None
-    for nodes in _node_counts(recipe.cluster.nodes):
-        for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # the lightest storage that fits
-            for pp in _pp_candidates(recipe, nodes):
-                found = _whole_fit_at(recipe, nodes, pp, extra)
-                if found is not None:
-                    break
-            if found is not None:
-                break
-        if found is not None:
-            break
-    _WHOLE_CACHE[id(recipe)] = (recipe, found)
-    return found
-
-
-def _node_counts(nodes: int) -> list[int]:
-    """Node counts the whole-recipe search tries, in order: ``nodes`` times 1, 2, 4 … ``MAX_NODE_SCALE``, then the
-    powers of two from ``nodes`` up to that bound (6 nodes cannot split a 64-way CP stage at any doubling; 8 can)."""
-    scaled = [nodes * 2 ** i for i in range(MAX_NODE_SCALE.bit_length()) if 2 ** i <= MAX_NODE_SCALE]
-    powers = [2 ** i for i in range((nodes * MAX_NODE_SCALE).bit_length()) if nodes < 2 ** i <= nodes * MAX_NODE_SCALE]
-    return scaled + [n for n in powers if n not in scaled]
-
-
-def _pp_candidates(recipe: Recipe, nodes: int) -> list[int]:
-    p, m = recipe.parallel, recipe.model
-    world = nodes * recipe.cluster.gpus_per_node
-    out = [p.pp] + [pp for pp in (1, 2, 4, 8, 16, 32) if pp != p.pp]
-    return [pp for pp in out if world % (p.tp * pp) == 0 and pp * (p.vpp if pp > 1 else 1) <= m.n_layers]
-
-
-def _whole_fit_at(recipe: Recipe, nodes: int, pp: int, extra: dict[str, Any]) -> Proposal | None:
-    p, c, m = recipe.parallel, recipe.cluster, recipe.model
-    shard = nodes * c.gpus_per_node // (p.tp * pp)
-    vpp = p.vpp if pp > 1 else 1
-    edits: dict[str, Any] = {"cluster.nodes": nodes, "parallel.pp": pp, "parallel.vpp": vpp,
-                             "parallel.ep": max(divisors(gcd(m.moe.n_routed_experts, shard))),
-                             "parallel.distributed_optimizer": True, **FULL_RECOMPUTE, **extra}
-    if pp * vpp == 1:
-        edits["parallel.pp_layout"] = None
-    elif pp != p.pp or vpp != p.vpp:
-        st = recipe.curriculum.stages[0]
-        layout = propose_layout(unit_costs(m, st.seq_len, st.phase, recipe.attention.indexer_loss_coeff > 0),
-                                pp * vpp, m.moe.n_hash_layers)
-        if layout is None:
-            return None
-        edits["parallel.pp_layout"] = layout
-    if pp > 1 and recipe.precision.keep_fp32_params:
-        edits["precision.keep_fp32_params"] = False
-    if p.micro_batch_size > 1:  # context parallelism splits one row per micro-batch (V4-CP-MICRO-BATCH)
-        edits["parallel.micro_batch_size"] = 1
-    edits = graph_compatible(recipe, edits)
-    stages = recipe.curriculum.stages
-    options = {i: [cp for cp in divisors(shard) if _cp_ok(recipe, i, cp, shard)] for i in range(len(stages))}
-    for i in sorted(options, key=lambda j: -stages[j].seq_len):  # the longest first: a shape that cannot fit fails fast
-        if not options[i] or not _fits(recipe, i, {**edits, f"curriculum.stages.{i}.cp": options[i][-1]}):
-            return None  # the most CP does not fit: none does
-    # the most CP leaves the fewest data-parallel ranks, the easiest batches: if the contract fails there, give up
-    if _with_batches(recipe, edits, [options[i][-1] for i in range(len(stages))]) is None:
-        return None
-    edits = _with_batches(recipe, edits, [_smallest_fitting_cp(recipe, i, edits, options[i]) for i in range(len(stages))])
-    if edits is None:
-        return None
-    edited = with_edits(recipe, edits)  # passed the contract's other rules in _with_batches
-    try:
-        plans = [memory_plan(edited, i) for i in range(len(recipe.curriculum.stages))]
-    except (PlanUnavailable, ValueError, ZeroDivisionError):
-        return None
-    if not all(plan.fits for plan in plans):
-        return None
-    return Proposal(_changed(recipe, edits), max(plans, key=lambda plan: plan.total_bytes))
-
-
-def _with_batches(recipe: Recipe, edits: dict[str, Any], cps: list[int]) -> dict[str, Any] | None:
-    """``edits`` with each stage's cp, and the global batches doubled (up to ``MAX_NODE_SCALE`` times) until every
-    stage splits its batch over dp = shard / cp into enough micro-batches; None when no such batch passes the
-    contract's other rules."""
-    edits = {**edits, **{f"curriculum.stages.{i}.cp": cp for i, cp in enumerate(cps)}}
-    k = 1
-    while k <= MAX_NODE_SCALE:
-        if k > 1:
-            edits["parallel.global_batch_size"] = recipe.parallel.global_batch_size * k
-            for i, st in enumerate(recipe.curriculum.stages):
-                if st.global_batch_size is not None:
-                    edits[f"curriculum.stages.{i}.global_batch_size"] = st.global_batch_size * k
-        failed = contract_failures(with_edits(recipe, edits))
-        if not failed:
-            return edits
-        if not set(failed) <= {"V4-BATCH", "V4-PP-MICROBATCHES"}:
-            return None  # a rule that a larger batch does not fix
-        k *= 2
-    return None
-
-
-def _smallest_fitting_cp(recipe: Recipe, index: int, edits: dict[str, Any], options: list[int]) -> int:
-    """The smallest of ``options`` (increasing; the last one fits) under which stage ``index`` fits, by
-    bisection: the plan shrinks as cp grows (fewer rows per rank); the caller checks every stage's plan again."""
-    lo, hi = 0, len(options) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _fits(recipe, index, {**edits, f"curriculum.stages.{index}.cp": options[mid]}):
-            hi = mid
-        else:
-            lo = mid + 1
-    return options[lo]
-
-
-def _fits(recipe: Recipe, index: int, edits: dict[str, Any]) -> bool:
+def stage_fits(recipe: Recipe, index: int, edits: dict[str, Any]) -> bool:
+    """Stage ``index`` of ``recipe`` with ``edits`` has a plan, and it fits."""
     try:
         return memory_plan(with_edits(recipe, edits), index).fits
     except (PlanUnavailable, ValueError, ZeroDivisionError):
         return False
 
 
-def _changed(recipe: Recipe, edits: dict[str, Any]) -> dict[str, Any]:
+def changed_edits(recipe: Recipe, edits: dict[str, Any]) -> dict[str, Any]:
     """``edits`` without the keys whose value the recipe already has (stage cp: its effective cp)."""
     out = {}
     for key, value in edits.items():
@@ -416,6 +250,6 @@ def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:
 
 def _storage_changes(recipe: Recipe) -> list[dict[str, Any]]:
     """Precision-aware storage, then storage with whole-layer recompute and host offload (what the recipe lacks)."""
-    storage = _changed(recipe, BF16_STORAGE)
-    offload = _changed(recipe, {**BF16_STORAGE, **OFFLOAD})
+    storage = changed_edits(recipe, BF16_STORAGE)
+    offload = changed_edits(recipe, {**BF16_STORAGE, **OFFLOAD})
     return [e for e in (storage, offload) if e] if storage != offload else ([storage] if storage else [])

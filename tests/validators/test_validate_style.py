@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 
 import pytest
@@ -49,3 +50,24 @@ def test_docs_list_every_rule_and_exit_code():
     for rule_id, rule in RULES.items():
         assert f"| `{rule_id}` |" in text, f"docs/validate.md lacks {rule_id}"
     assert "## README excerpt" in text and "## Exit codes" in text
+
+
+def _imported_modules(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            out.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return out
+
+
+def test_memory_fix_search_imports_run_one_way():
+    """rules → memory_fixes_whole → memory_fixes: the fix search gets the contract check as an argument
+    (rules/contract.py) instead of importing the rules that call it."""
+    fixes = _imported_modules(REPO / "validators" / "memory_fixes.py")
+    whole = _imported_modules(REPO / "validators" / "memory_fixes_whole.py")
+    for imported in (fixes, whole):
+        assert not [m for m in imported if m.lstrip(".").split(".")[0] == "rules"], imported
+    assert ".memory_fixes_whole" not in fixes and ".memory_fixes" in whole

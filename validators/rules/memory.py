@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from ..memory_fixes import fit_proposals, whole_recipe_fit
+from ..memory_fixes import fit_proposals
+from ..memory_fixes_whole import whole_recipe_fit
 from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, memory_plan
 from .base import Context, rule
+from .contract import contract_failures
 
 
 def _gib(n: int) -> str:
@@ -42,11 +44,11 @@ def check_memory(ctx: Context):
 
 def _fix_text(ctx: Context, budget: int) -> str:
     """The fix of an over-budget stage: edits on the recipe's nodes that make this stage fit, else one set of
-    edits for the whole curriculum (``memory_fixes.whole_recipe_fit``), else what is left to change."""
-    found = fit_proposals(ctx.recipe, ctx.index)
+    edits for the whole curriculum (``memory_fixes_whole.whole_recipe_fit``), else what is left to change."""
+    found = fit_proposals(ctx.recipe, ctx.index, contract_failures)
     if found:
         return "set " + ", or ".join(p.text() for p in found)
-    whole = whole_recipe_fit(ctx.recipe)
+    whole = whole_recipe_fit(ctx.recipe, contract_failures)
     if whole is None and budget <= HEADROOM_FIXED_BYTES:
         return (f"the budget {_gib(budget)} is below the plan's fixed headroom ({_gib(HEADROOM_FIXED_BYTES)}: CUDA "
                 "context, Triton, NCCL), which no layout changes: raise cluster.gpu_memory_gib or unset it (the GPU "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from math import gcd
 
-from ..memory_fixes import divisors, searching
+from ..memory_fixes import divisors, with_edits
+from ..memory_fixes_whole import whole_recipe_fit
+from ..memory_plan import PlanUnavailable, memory_plan
 from .base import Context, micro_batches, rule
+from .contract import contract_failures, searching
 
 
 @rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
@@ -63,16 +66,13 @@ def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
     """``plain`` (set ep) when ``parallel.ep=ep`` also fits the memory plan or nothing is planned (a CPU target,
     a plan that cannot be made). When it folds but does not fit (V4-MEMORY would send the user to another
     layout): the memory rule's whole-recipe fix, or ``plain`` saying that no layout fits."""
-    from ..memory_fixes import whole_recipe_fit, with_edits
-    from ..memory_plan import PlanUnavailable, memory_plan
-
     edited = with_edits(recipe, {"parallel.ep": ep})
     try:
         if all(memory_plan(edited, i).fits is not False for i in range(len(recipe.curriculum.stages))):
             return plain
     except (PlanUnavailable, ValueError, ZeroDivisionError):
         return plain
-    whole = whole_recipe_fit(recipe)
+    whole = whole_recipe_fit(recipe, contract_failures)
     if whole is None:
         return plain + "; but then the memory plan does not fit, nor does any layout the search tries (V4-MEMORY)"
     return (f"set {whole.edits_text()} (an ep of {ep} alone would fold over dp·cp but not fit the memory plan "
