@@ -9,7 +9,8 @@ How the job holds the model (what the terms follow):
 
 * storage: every parameter is fp32, bf16 only in compute (autocast; ``v4launch/training/step.py``), so
   parameters and gradients are 4 B per element; Muon keeps one fp32 momentum (4 B), AdamW two fp32
-  moments (8 B) (``training/optim.py``, ``training/muon.py``);
+  moments (8 B) (``training/optim.py``, ``training/muon.py``); ``precision.params_dtype: bf16`` and the
+  moment dtypes store less (``memory_storage.py``, which parameters: ``storage_policy.py``);
 * pipeline: a rank holds the modules of its virtual stages of ``parallel.pp_layout``
   (``model/parallel/pipeline.py``: E = embedding, t = decoder layer, m = MTP layer, L = norm, head, hc_head);
 * experts: each MoE layer keeps ``E / ep`` routed experts per rank (``model/parallel/expert.py``), never
@@ -27,19 +28,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from math import ceil
 
 from . import derived
 from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
                                  compressed_bytes, embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
                                  mtp_input_bytes_per_token,
                                  mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
+from .memory_storage import stored_low as _stored_low
+from .memory_storage import training_state
 from .param_count import ParamSpec, model_buffers, model_params
 from .pipeline_schedule import PlanUnavailable, in_flight_ops, stage_layers, virtual_stages
 from .recompute_policy import FULL_LAYER, RecomputeRefused, recompute_regions
 from .schema.cluster import GPU_MEMORY_GIB
 from .schema.recipe import Recipe
-from .storage_policy import stores_low_precision
 
 GIB = 1 << 30
 LIBRARY_WORKSPACE_BYTES = 64 << 20
@@ -283,63 +284,6 @@ def _layer_weight_copies(params: list[ParamSpec], ep: int, low: set[str]) -> dic
     return out
 
 
-@dataclass(frozen=True)
-class _Storage:
-    """Bytes of this rank's parameters, gradients and optimizer state under the recipe's storage options."""
-
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    dtype: str
-    optimizer_dtype: str
-    param_note: str
-    optimizer_note: str
-
-
-def _matrix(sp: ParamSpec) -> bool:
-    """A 2-D GEMM weight (the spec lists no shapes: Muon's matrices, the router gate and the heads)."""
-    return sp.optimizer == "muon" or sp.name.endswith(("ffn.gate.weight", "head.weight"))
-
-
-def _stored_low(recipe: Recipe, sp: ParamSpec) -> bool:
-    """``precision.params_dtype: bf16`` stores ``sp`` in bf16 (FSDP shards all but the routed experts under EP)."""
-    p = recipe.parallel
-    sharded = p.distributed_optimizer and not (sp.routed and p.ep > 1)
-    return recipe.precision.params_dtype == "bf16" and stores_low_precision(sp.name, 2 if _matrix(sp) else 1,
-                                                                            fsdp_sharded=sharded)
-
-
-def _storage(recipe: Recipe, rank_params: list[ParamSpec], shard: int) -> _Storage:
-    """Parameter, gradient and optimizer bytes on this rank (validators/storage_policy.py for which
-    parameters ``precision.params_dtype: bf16`` stores in bf16; dense parameters sharded over ``shard``,
-    routed experts over ``parallel.ep``)."""
-    pr, p = recipe.precision, recipe.parallel
-    muon_name = recipe.optimizer.name == "muon_adamw"
-    n = {"low": 0.0, "fp32": 0.0, "muon": 0.0, "adamw": 0.0, "dense": 0.0, "routed": 0.0}
-    for sp in rank_params:
-        div = p.ep if sp.routed else shard
-        low = _stored_low(recipe, sp)
-        elements = sp.numel / div
-        n["low" if low else "fp32"] += elements
-        n["muon" if sp.optimizer == "muon" and muon_name else "adamw"] += elements
-        n["routed" if sp.routed else "dense"] += sp.numel
-    avg, avg_sq = (2 if pr.exp_avg_dtype == "bf16" else 4), (2 if pr.exp_avg_sq_dtype == "bf16" else 4)
-    master = (2 if pr.store_param_remainders else 4) * n["low"]
-    weights = 4 * n["fp32"] + 2 * n["low"]
-    gib = lambda x: f"{x / 1e9:.2f}B"  # noqa: E731
-    sharded_note = f" / {shard} (FSDP)" if shard > 1 else ""
-    master_note = (f", fp32 master {'as 16-bit remainders' if pr.store_param_remainders else 'copy'} "
-                   f"{gib(n['low'])}" if n["low"] else "")
-    return _Storage(
-        param_bytes=ceil(weights), grad_bytes=ceil(weights), optimizer_bytes=ceil(master + avg * (n["muon"] + n["adamw"])
-                                                                                  + avg_sq * n["adamw"]),
-        dtype="bf16/fp32" if n["low"] else "fp32",
-        optimizer_dtype="fp32" if avg == avg_sq == 4 and not n["low"] else "bf16/fp32",
-        param_note=f"{gib(n['dense'])} dense{sharded_note} + {gib(n['routed'] / p.ep)} experts (E/ep)"
-                   + (f"; {gib(n['low'])} in bf16" if n["low"] else ""),
-        optimizer_note=f"Muon momentum {gib(n['muon'])}, AdamW moments {gib(n['adamw'])}{master_note}")
-
-
 def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ...]], s: StageSetting) -> MemoryPlan:
     m, p = recipe.model, recipe.parallel
     by_place, buffers = _specs_by_place(m, s.phase)
@@ -359,7 +303,7 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
                                low)
     ops = [local[j] for j in in_flight_ops(p.pp, p.vpp, rank, s.accum) if j < len(local)] or local[:1]
     shard = s.shard if p.distributed_optimizer else 1
-    st = _storage(recipe, rank_params, shard)
+    st = training_state(recipe, rank_params, shard)
     root = sum(sp.numel for sp in rank_params if not sp.routed and sp.layer is None)
     fsdp = 12 * max(max(blocks), root) if p.distributed_optimizer and shard > 1 else 0
     ws = max((costs[i].backward_set + costs[i].attention_workspace + costs[i].recompute_layer for i in local),
