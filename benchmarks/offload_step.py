@@ -19,7 +19,8 @@ Columns (GiB = 2**30 bytes, MiB under ``--tiny``; ``params`` = memory allocated 
   ms          median forward + backward time (CUDA events on the GPU, wall clock on the CPU)
   fwd GiB     ``torch.cuda.memory_allocated`` right after the forward minus params: what backward keeps
   peak GiB    ``torch.cuda.max_memory_allocated`` over a timed iteration minus params
-  host GiB    peak host bytes held by the offloaded inputs (``OffloadStats.peak_host_bytes``; pinned on CUDA)
+  host GiB    peak host bytes held by the offloaded inputs (``OffloadStats.peak_host_bytes``; pinned on CUDA);
+              the JSON's ``pinned`` is torch's pinned pool after the row (cached blocks, rounded up to powers of 2)
   moved GiB   bytes copied to host per forward (``OffloadStats.last_forward_bytes``)
   pref/late/wait  copies back per iteration: prefetched, started late (at their own unpack), prefetched but
               not finished when unpacked
@@ -112,10 +113,13 @@ def measure(model, batch, device, warmup: int, iters: int) -> dict:
             fwd.append(after_forward)
             peaks.append(torch.cuda.max_memory_allocated() - params if cuda else 0)
     s = offload_stats()
+    pinned = None  # the pinned pool (cached blocks too, rounded up); keys as in torch >= 2.6
+    if cuda and hasattr(torch.cuda, "host_memory_stats"):
+        pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()
                                                       if p.grad is not None])).item()
     return {"ms": statistics.median(times), "ms_all": times, "params": params, "after_forward": max(fwd),
-            "peak": max(peaks), "host_peak": s.peak_host_bytes, "moved": s.last_forward_bytes,
+            "peak": max(peaks), "host_peak": s.peak_host_bytes, "pinned": pinned, "moved": s.last_forward_bytes,
             "offloaded_tensors": s.offloaded_tensors, "prefetched": s.prefetched, "late": s.late,
             "waited": s.waited, "loss": loss.item(), "grad_norm": grad_norm}
 

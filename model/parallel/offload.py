@@ -5,7 +5,8 @@ Under ``recompute_granularity: full`` (``model/parallel/recompute.py``) each dec
 inputs: the streams ``h`` [T, hc, dim] (and the int64 token ids [T], a few bytes per token). This module moves
 those streams to pinned host memory while the forward goes on, and brings them back ahead of the layer's backward.
 Source: torch's ``torch.autograd.graph.saved_tensors_hooks`` and ``save_on_cpu`` (the same pack / unpack pair,
-here with a side stream and a prefetch); Megatron-LM's ``cpu_offloading`` (reference/megatron-v4-contract.md).
+here with a side stream and a prefetch); Megatron-LM's ``TransformerConfig.cpu_offloading`` (done there by
+Transformer Engine's ``get_cpu_offload_context``, saved-tensor hooks too, per layer).
 
 How: every block takes a subclass of its own class whose ``forward`` calls the original under
 ``saved_tensors_hooks(pack, unpack)`` (the class swap of recompute.py and FSDP2: FQNs and state-dict keys are
