@@ -13,15 +13,15 @@ import itertools
 import json
 import random
 import re
+import shlex
 import time
-from math import ceil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from test_validate_fixes import proposed_edits
-from validate_helpers import RECIPES, invoke, validate_file
+from validate_helpers import FLASH_4N_FP32, FLASH_4N_SEED_004, RECIPES, invoke, validate_file
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators.memory_fixes import with_edits
 from v4launch.validators.memory_activations import layer_bytes_per_token
@@ -50,25 +50,50 @@ def test_in_flight_micro_batches_follow_torch_schedules():
                 assert ops[:per_round] == [0] * min(per_round, len(ops)) and max(ops) < vpp
 
 
-def test_parameter_terms_of_flash_4n_rank_0():
-    """Rank 0 holds E and layers 0-9 (Et*10): dense / 8 (FSDP over dp·cp = 8), experts / ep 8, fp32; Muon 4 B,
-    AdamW 8 B per element; buffers (hash tables, router biases, counts) whole."""
+def test_parameter_terms_of_flash_4n():
+    """PP1: the one pipeline rank holds every layer. The routed experts / ep 32 (8.86 B per GPU) are stored in bf16:
+    2 B weight, 2 B gradient, 2 B remainder of the exact fp32 master, 2 B bf16 Muon momentum. The 7.47 B dense
+    parameters (sparse phase, indexers included) stay fp32 FSDP shards / 32 (dp·cp): 4 B weight and gradient, bf16
+    moments (Muon 2 B, AdamW 2 + 2 B). Buffers (hash tables, router biases, counts) whole."""
     recipe = load_recipe(RECIPES / "flash_4n.yaml").recipe
+    (plan,) = rank_plans(recipe, 2)  # sparse_64k: 64 sequences over dp 8 = 8 micro-batches per step
+    specs = model_params(recipe.model, "sparse")
+    dense = sum(s.numel for s in specs if not s.routed)
+    routed = sum(s.numel for s in specs if s.routed)
+    assert routed % 32 == 0 and round(routed / 32 / 1e9, 2) == 8.86 and round(dense / 1e9, 2) == 7.47
+    assert all(s.optimizer == "muon" for s in specs if s.routed)
+    buffers = sum(b.numel * b.itemsize for b in model_buffers(recipe.model))
+    weights = -(-(4 * dense + 2 * routed) // 32)  # bytes over the rank's elements, rounded up once
+    assert plan.term("parameters").bytes == weights + buffers and plan.term("parameters").dtype == "bf16/fp32"
+    assert plan.term("gradients").bytes == weights  # kept across the step's micro-batches
+    muon = sum(s.numel for s in specs if not s.routed and s.optimizer == "muon")
+    remainders, momentum, adamw = 2 * routed, 2 * (routed + muon), (2 + 2) * (dense - muon)
+    assert plan.term("optimizer").bytes == -(-(remainders + momentum + adamw) // 32)
+    assert plan.total_bytes == sum(t.bytes for t in plan.terms)
+    assert plan.allocated_bytes == plan.total_bytes - plan.term("headroom").bytes
+    assert [t.bytes for t in plan.largest(3)] == sorted((t.bytes for t in plan.terms), reverse=True)[:3]
+
+
+def test_parameter_terms_of_flash_4n_in_seed_004_shape_rank_0():
+    """Seed 004's shape with fp32 storage: rank 0 holds E and layers 0-9 (Et*10): dense / 8 (FSDP over dp·cp = 8),
+    experts / ep 8, fp32; Muon 4 B, AdamW 8 B per element; buffers (hash tables, router biases, counts) whole."""
+    recipe = load_recipe(RECIPES / "flash_4n.yaml", list(FLASH_4N_SEED_004)).recipe
     plan = rank_plans(recipe, 0)[0]
     specs = [s for s in model_params(recipe.model, "dense") if s.holder == "E" or (s.layer is not None and s.layer < 10)]
     dense = sum(s.numel for s in specs if not s.routed)
     routed = sum(s.numel for s in specs if s.routed) // 8
     buffers = sum(b.numel * b.itemsize for b in model_buffers(recipe.model) if b.layer < 10)
-    assert plan.term("parameters").bytes == 4 * (ceil(dense / 8) + routed) + buffers
-    muon = ceil(sum(s.numel for s in specs if not s.routed and s.optimizer == "muon") / 8)
-    assert plan.term("optimizer").bytes == 4 * (muon + routed) + 8 * (ceil(dense / 8) - muon)
+    # the dense shards' bytes are rounded up once, over the rank's elements (dense / 8 is not whole here)
+    assert plan.term("parameters").bytes == -(-4 * dense // 8) + 4 * routed + buffers
+    muon = sum(s.numel for s in specs if not s.routed and s.optimizer == "muon")
+    assert plan.term("optimizer").bytes == -(-(4 * muon + 8 * (dense - muon)) // 8) + 4 * routed
     assert plan.total_bytes == sum(t.bytes for t in plan.terms)
     assert plan.allocated_bytes == plan.total_bytes - plan.term("headroom").bytes
     assert [t.bytes for t in plan.largest(3)] == sorted((t.bytes for t in plan.terms), reverse=True)[:3]
 
 
 def test_worst_rank_is_planned_and_activations_scale_with_rows():
-    recipe = load_recipe(RECIPES / "flash_4n.yaml", ["parallel.recompute_granularity=selective",
+    recipe = load_recipe(RECIPES / "flash_4n.yaml", [*FLASH_4N_SEED_004, "parallel.recompute_granularity=selective",
                                                       "parallel.recompute_modules=[mla_up_proj]"]).recipe
     plans = rank_plans(recipe, 2)
     assert memory_plan(recipe, 2).total_bytes == max(p.total_bytes for p in plans)
@@ -161,17 +186,20 @@ def test_whole_layer_recompute_keeps_the_layer_inputs_and_re_runs_one_layer():
     assert full.allocated_bytes < plain.allocated_bytes
 
 
-@pytest.mark.parametrize("nodes,folding_ep", [(4, 32), (6, 16)])
-def test_ep_fold_fix_does_not_send_the_user_to_a_layout_the_memory_plan_refuses(nodes, folding_ep):
+@pytest.mark.parametrize("nodes,folding_ep,expected", [
+    (4, 32, ["precision.params_dtype=bf16", "parallel.cpu_offloading=true"]), (6, 16, ["cluster.nodes=8"])])
+def test_ep_fold_fix_does_not_send_the_user_to_a_layout_the_memory_plan_refuses(nodes, folding_ep, expected):
     """flash_8n on 4 nodes: ep=64 no longer folds over dp·cp = 32. ep=32 would fold but not fit, and V4-MEMORY
     then proposed 8 nodes and ep=64 (the first fix undone). The EP-FOLD fix is now the memory rule's whole
-    fix, and applied it validates clean; on 6 nodes no doubling splits the 64-way CP stage and the search
-    goes on to the powers of two (8). On a CPU target (no memory budget) the plain ep fix stays."""
+    fix, and applied it validates clean: on 4 nodes precision-aware storage with host offload (flash_4n's shape);
+    on 6 nodes no doubling splits the 64-way CP stage and the search goes on to the powers of two (8). On a CPU
+    target (no memory budget) the plain ep fix stays."""
     report = validate_file(RECIPES / "flash_8n.yaml", [f"cluster.nodes={nodes}"])
     fold = [v for v in report.violations if v.rule_id == "V4-EP-FOLD"]
     assert fold and all(f"an ep of {folding_ep} alone would fold" in v.fix for v in fold), [v.fix for v in fold]
     edits = proposed_edits(fold[0].fix)
-    assert "cluster.nodes=8" in edits
+    assert set(expected) <= set(edits), edits
+    assert nodes == 6 or not [e for e in edits if e.startswith("cluster.nodes=")], edits
     assert validate_file(RECIPES / "flash_8n.yaml", [f"cluster.nodes={nodes}", *edits]).ok
     debug = validate_file(RECIPES / "flash_debug.yaml", ["parallel.ep=4"])
     (plain,) = {v.fix for v in debug.violations if v.rule_id == "V4-EP-FOLD"}
@@ -179,7 +207,9 @@ def test_ep_fold_fix_does_not_send_the_user_to_a_layout_the_memory_plan_refuses(
 
 
 def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
-    over = ["cluster.nodes=1", "parallel.pp=1", "parallel.pp_layout=null"]
+    """Seed 004's shape (fp32 storage) on one node at pp 1: the experts alone do not fit. The fewest nodes that
+    hold the curriculum are 4 with precision-aware storage and host offload (8 with fp32 storage: flash_8n)."""
+    over = [*FLASH_4N_SEED_004, "cluster.nodes=1", "parallel.pp=1", "parallel.pp_layout=null"]
     report = validate_file(RECIPES / "flash_4n.yaml", over)
     assert report.failed_rule_ids() == {"V4-MEMORY"}
     v = report.violations[0]
@@ -188,13 +218,34 @@ def test_flash_on_one_node_at_pp1_fails_and_the_proposed_shape_fits():
     assert len(re.findall(r"\b[a-z][a-z +0-9-]* [\d.]+ GiB", v.message.split("largest:")[1])) == 3
     assert "parameters" in v.message and "optimizer states" in v.message  # the experts alone do not fit
     edits = proposed_edits(v.fix)
-    assert "cluster.nodes=8" in edits and "nothing fits on the recipe's 1 node(s), 8 is the fewest" in v.fix
+    assert "cluster.nodes=4" in edits and "nothing fits on the recipe's 1 node(s), 4 is the fewest" in v.fix
+    assert {"precision.params_dtype=bf16", "parallel.cpu_offloading=true"} <= set(edits), edits
     fixed = validate_file(RECIPES / "flash_4n.yaml", [*over, *edits])
     assert fixed.ok and all(s.derived["memory"]["fits"] for s in fixed.stages)
 
 
+def test_flash_4n_fits_and_seed_004_shape_is_sent_to_precision_aware_storage_on_its_4_nodes(in_tmp: Path):
+    """flash_4n.yaml validates clean: every stage fits its H200, and the nodes' host memory holds the offloaded
+    layer inputs (V4-HOST-MEMORY checked in every stage, not skipped). Seed 004's shape on the same 4 nodes is
+    refused in every stage, and the one whole-recipe fix printed names precision-aware storage with host offload
+    on these 4 nodes (before it, the fix was 8 nodes)."""
+    report = validate_file(RECIPES / "flash_4n.yaml")
+    assert report.ok and all(s.derived["memory"]["fits"] for s in report.stages)
+    assert all(s.derived["memory"]["host_offload_bytes"] > 0 for s in report.stages)
+    host = [r.status for s in report.stages for r in s.results if r.rule_id == "V4-HOST-MEMORY"]
+    assert host == ["pass"] * len(report.stages)
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), *FLASH_4N_SEED_004])
+    assert exc is None and code == 1
+    (line,) = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY: fix: run `")]
+    command = shlex.split(line.split("`")[1])
+    for edit in ("precision.params_dtype=bf16", "precision.exp_avg_dtype=bf16", "precision.exp_avg_sq_dtype=bf16",
+                 "parallel.cpu_offloading=true", "parallel.pp=1", "parallel.ep=32"):
+        assert edit in command, (edit, command)
+    assert not [w for w in command if w.startswith("cluster.nodes=")] and "is the fewest" not in line, line
+
+
 OVER_BUDGET_VARIANTS = [
-    ("flash_4n.yaml", []),
+    ("flash_4n.yaml", list(FLASH_4N_SEED_004)),
     ("flash_8n.yaml", ["parallel.recompute_granularity=none"]),
     ("flash_8n.yaml", ["parallel.ep=16"]),
     ("flash_8n.yaml", ["cluster.gpu_memory_gib=80"]),
@@ -202,13 +253,21 @@ OVER_BUDGET_VARIANTS = [
     ("pro.yaml", ["parallel.distributed_optimizer=false"]),
     ("bench_h200.yaml", ["cluster.gpu_memory_gib=20"]),
     ("pro_64n.yaml", ["cluster.gpu_memory_gib=60"]),
-    ("flash_4n.yaml", ["parallel.pp=2", "parallel.pp_layout=Et*22|t*21mL"]),
+    ("flash_4n.yaml", [*FLASH_4N_SEED_004, "parallel.pp=2", "parallel.pp_layout=Et*22|t*21mL"]),
+    ("flash_4n.yaml", list(FLASH_4N_FP32)),
     ("flash_4n.yaml", ["cluster.gpu=B200"]),
     ("flash_8n.yaml", ["curriculum.stages.5.seq_len=2097152", "model.max_position_embeddings=2097152"]),
 ]
 
 
-@pytest.mark.parametrize("name,over", OVER_BUDGET_VARIANTS, ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def _variant_id(x) -> str:
+    if isinstance(x, str):
+        return x
+    text = " ".join(x)
+    return text.replace(" ".join(FLASH_4N_SEED_004), "seed-004-shape").replace(" ".join(FLASH_4N_FP32), "fp32-storage")
+
+
+@pytest.mark.parametrize("name,over", OVER_BUDGET_VARIANTS, ids=_variant_id)
 def test_every_proposed_memory_fix_validates_and_the_job_plans_it(name, over):
     """Apply the first alternative of each stage's V4-MEMORY fix on its own: the recipe must then validate with
     no error (every stage fits), and the job's planner accept it."""
@@ -254,14 +313,16 @@ def test_a_1m_stage_at_cp1_fails_and_the_proposed_cp_validates(base_file: Path):
 
 def test_validate_prints_the_plan_per_stage(in_tmp: Path):
     """(Its speed is benchmarks/validate_speed.py's to measure, not a timed test's.)"""
-    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), *FLASH_4N_SEED_004])
     assert exc is None and code == 1
     assert "memory plan" in out and "over" in out
     for label in ("parameters", "gradients", "optimizer states", "activations", "compressed KV", "top-k",
                   "logits + loss", "headroom", "total", "budget"):
         assert label in out, label
     code, out, _, _ = invoke(["validate", str(RECIPES / "bench_h200.yaml")])
-    assert code == 0 and "memory plan" in out and " ok" in out
+    assert code == 0 and "memory plan" in out and " ok" in out and "host: offloaded inputs" not in out
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    assert code == 0 and " ok" in out and " over" not in out and "host: offloaded inputs" in out
 
 
 def test_explain_memory(in_tmp: Path):

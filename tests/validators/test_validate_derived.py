@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from validate_helpers import RECIPES, validate_file
+from validate_helpers import FLASH_4N_SEED_004, RECIPES, validate_file
 from v4launch.validators import derived
 from v4launch.validators.schema.model import FLASH_COMPRESS_RATIOS, PRO_COMPRESS_RATIOS
 
@@ -62,12 +62,19 @@ def test_stage_figures_in_report():
     report = validate_file(RECIPES / "flash_4n.yaml")
     figs = {s.name: s.derived for s in report.stages}
     one_m = figs["sparse_1m"]
-    assert one_m["local_rows"] == 131072 and one_m["boundary_width"] == 128 and one_m["dp"] == 1
+    assert one_m["local_rows"] == 32768 and one_m["boundary_width"] == 128 and one_m["dp"] == 1  # cp 32
     assert one_m["csa_allgather_bytes_per_layer"] == derived.csa_allgather_bytes(2**20)
     assert one_m["allgather_bytes_total"] == derived.allgather_bytes_total(2**20, FLASH_COMPRESS_RATIOS)
-    assert figs["dense_64k"]["allgather_bytes_total"] == 0  # CP = 1: no all-gather
+    dense = figs["dense_64k"]  # cp 4, no indexer in the dense phase: the compressed KV alone is gathered
+    assert (dense["cp"], dense["dp"], dense["local_rows"]) == (4, 8, 16384)
+    assert dense["allgather_bytes_total"] == derived.allgather_bytes_total(65536, FLASH_COMPRESS_RATIOS,
+                                                                           with_indexer=False) > 0
     assert one_m["topk_alignment"] == 128 and one_m["topk_padding_waste"] == 0
-    assert len(one_m["pp_stage_gflop_per_token"]) == 4 and one_m["pp_balance"] <= 1.25
+    assert one_m["pp_stage_gflop_per_token"] is None and one_m["pp_balance"] is None  # PP1
+    seed_004 = {s.name: s.derived for s in validate_file(RECIPES / "flash_4n.yaml", FLASH_4N_SEED_004).stages}
+    assert seed_004["sparse_1m"]["local_rows"] == 131072 and seed_004["sparse_1m"]["dp"] == 1  # cp 8 of 8
+    assert seed_004["dense_64k"]["allgather_bytes_total"] == 0  # CP = 1: no all-gather
+    assert len(seed_004["sparse_1m"]["pp_stage_gflop_per_token"]) == 4 and seed_004["sparse_1m"]["pp_balance"] <= 1.25
     pro = {s.name: s.derived for s in validate_file(RECIPES / "pro.yaml").stages}
     assert pro["sparse_1m"]["topk_alignment"] == 64 and len(pro["sparse_1m"]["pp_stage_gflop_per_token"]) == 16
 

@@ -34,7 +34,10 @@ def test_extends_relative_to_the_file_and_sources():
     assert loaded.path == (RECIPES / "flash_4n.yaml").resolve()
     assert loaded.source_of("parallel.cp") == "override parallel.cp=8"
     flash, flash_4n = RECIPES / "flash.yaml", RECIPES / "flash_4n.yaml"
-    assert loaded.source_of("parallel.pp_layout").endswith(f"flash_4n.yaml:{_line(flash_4n, '  pp_layout:')}")
+    assert loaded.source_of("parallel.ep").endswith(f"flash_4n.yaml:{_line(flash_4n, '  ep:')}")
+    assert loaded.source_of("precision.params_dtype").endswith(f"flash_4n.yaml:{_line(flash_4n, 'params_dtype:')}")
+    assert loaded.source_of("parallel.recompute_granularity").endswith(
+        f"flash.yaml:{_line(flash, 'recompute_granularity:')}")
     assert loaded.source_of("model.n_layers").endswith(f"flash.yaml:{_line(flash, 'n_layers:')}")
     assert loaded.source_of("model.compress_ratios.5").endswith(f"flash.yaml:{_line(flash, 'compress_ratios:')}")
     assert loaded.source_of("parallel.offload_modules") == "default"
