@@ -8,15 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from validate_helpers import RECIPES, invoke, write_recipe
+from validate_helpers import FLASH_4N_SEED_004, RECIPES, invoke, write_recipe
 from v4launch.validators import RULES
 from v4launch.workspace import Workspace
 from validator_fixtures import base
 
 
 HUGE_GPU = "cluster.gpu_memory_gib=1048576"
-"""Flash's stages do not fit an H200 on the job as it is (V4-MEMORY, docs/memory-plan.md); with a 1 PiB budget
-the rest of its contract is what these tests see."""
+"""The variants of flash_4n below (another cp, reference kernels) need not fit an H200 (V4-MEMORY,
+docs/memory-plan.md); with a 1 PiB budget the rest of its contract is what these tests see."""
 
 
 def test_clean_recipe_exits_0_and_prints_every_rule(in_tmp: Path):
@@ -42,26 +42,33 @@ def test_violation_exits_1_with_field_source_and_fix(in_tmp: Path):
 
 
 def test_a_whole_recipe_fix_is_printed_once_and_referred_to_under_later_stages(in_tmp: Path):
-    """pro_16n fails V4-MEMORY in all six stages with one whole-recipe fix: printed in full under the
-    first stage, referred to under the others (it was printed six times)."""
+    """pro_16n fails V4-MEMORY in all six stages with one whole-recipe fix (32 nodes with bf16 storage): printed in
+    full under the first stage, referred to under the others (it was printed six times)."""
     code, out, _, exc = invoke(["validate", str(RECIPES / "pro_16n.yaml")])
     assert exc is None and code == 1
     arrows = [line for line in out.splitlines() if line.startswith("  → V4-MEMORY")]
     assert len(arrows) == 6, arrows
-    assert "cluster.nodes=64" in arrows[0]
+    assert arrows[0].startswith("  → V4-MEMORY: fix: run `v4launch validate ")
+    assert "cluster.nodes=32" in arrows[0] and "precision.params_dtype=bf16" in arrows[0]
     assert all(line.endswith("fix: the same as under stage 0 dense_64k (above)") for line in arrows[1:]), arrows
-    assert out.count("cluster.nodes=64 parallel.ep=128") == 1
+    assert out.count("cluster.nodes=32 parallel.pp=2 parallel.ep=128") == 1
 
 
 def test_a_fix_is_one_unwrapped_line_and_per_stage_figures_follow_a_reference(in_tmp: Path):
-    """A fix is pasted into a shell: it must not be broken across lines at the console width (flash_4n's
-    whole fix is ~330 characters). The same edits with this stage's own figures refer to the first."""
-    _, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
-    (line,) = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY: fix: set ")]
-    assert "cluster.nodes=8" in line and "curriculum.stages.5.cp=64" in line and line.endswith("8 is the fewest")
-    _, out, _, _ = invoke(["validate", str(RECIPES / "flash_8n.yaml"), "parallel.recompute_granularity=none"])
+    """A fix is pasted into a shell: it must not be broken across lines at the console width (the whole fix of
+    flash_4n in seed 004's shape is a ~400-character command). The same edits with this stage's own figures refer
+    to the first."""
+    flash_4n = str(RECIPES / "flash_4n.yaml")
+    _, out, _, _ = invoke(["validate", flash_4n, *FLASH_4N_SEED_004])
+    (line,) = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY: fix: run `")]
+    assert line.startswith(f"  → V4-MEMORY: fix: run `v4launch validate {flash_4n} ") and len(line) > 400
+    assert "precision.params_dtype=bf16" in line and "curriculum.stages.5.cp=32" in line
+    assert line.endswith("and no other rule fails)")
+    flash_8n = str(RECIPES / "flash_8n.yaml")
+    _, out, _, _ = invoke(["validate", flash_8n, "parallel.recompute_granularity=none"])
     arrows = [x for x in out.splitlines() if x.startswith("  → V4-MEMORY")]
-    assert arrows[0].startswith("  → V4-MEMORY: fix: set parallel.recompute_granularity=full")
+    assert arrows[0].startswith(f"  → V4-MEMORY: fix: run `v4launch validate {flash_8n} "
+                                "parallel.recompute_granularity=full 'parallel.recompute_modules=[]'`")
     later = [x for x in arrows[1:] if "the same edits as under stage 0 dense_64k (above) (" in x]
     assert later and all(x.rstrip().endswith("GiB)") for x in later), arrows
 
@@ -229,16 +236,16 @@ def test_validate_into_a_closed_pipe_exits_with_its_verdict(tmp_path: Path):
     the command writes, so every write meets a broken pipe."""
     import os
 
-    for name, want in (("flash_8n.yaml", 0), ("flash_4n.yaml", 1)):
+    for name, over, want in (("flash_4n.yaml", [], 0), ("flash_4n.yaml", list(FLASH_4N_SEED_004), 1)):
         read_end, write_end = os.pipe()
         os.close(read_end)
         try:
-            proc = subprocess.run([sys.executable, "-m", "v4launch", "validate", str(RECIPES / name)], cwd=tmp_path,
-                                  stdout=write_end, stderr=subprocess.PIPE, timeout=60)
+            proc = subprocess.run([sys.executable, "-m", "v4launch", "validate", str(RECIPES / name), *over],
+                                  cwd=tmp_path, stdout=write_end, stderr=subprocess.PIPE, timeout=60)
         finally:
             os.close(write_end)
         err = proc.stderr.decode()
-        assert proc.returncode == want and "Traceback" not in err and "Exception" not in err, (name, err)
+        assert proc.returncode == want and "Traceback" not in err and "Exception" not in err, (name, over, err)
 
 
 def test_an_error_into_a_closed_pipe_keeps_its_exit_code(tmp_path: Path):
