@@ -208,7 +208,8 @@ class V4Model(FP32Pinned):
 
     def set_phase(self, phase: Phase) -> None:
         """Move to a later phase. Leaving "dense" builds and initialises indexers on every
-        CSA layer (same device and dtype as the layer; rebuild the optimizer afterwards).
+        CSA layer (on the layer's device, in its parameter dtype: its norm's, which storage never lowers,
+        where a GEMM weight may be stored in bf16 by the seam; rebuild the optimizer afterwards).
 
         Raises:
             ValueError: unknown phase name, or a move backwards (e.g. sparse -> warmup).
@@ -221,7 +222,7 @@ class V4Model(FP32Pinned):
             for block in self._blocks():
                 attn = block.attn
                 if attn.ratio == 4:
-                    ref = attn.wq_b.weight
+                    ref = block.attn_norm.weight  # the model's dtype (parallel/storage.py lowers only GEMM weights)
                     attn.indexer = Indexer(self.args).to(device=ref.device, dtype=ref.dtype)
                     self._init_indexer(block)
         self.phase = phase

@@ -2,8 +2,8 @@
 
 ``parallelize(model, dims, groups, device) -> ParallelModel`` takes the ``V4Model`` every rank
 built identically (same seed) and returns what this rank runs. Order, fixed (torchtitan's
-``parallelize_deepseekv3``): expert parallel → pipeline split → FP8 GEMMs, recompute and
-``torch.compile`` per part → FSDP → CP hooks. The model
+``parallelize_deepseekv3``): expert parallel → pipeline split → FP8 GEMMs, recompute, host offload and
+``torch.compile`` per part → parameter storage → FSDP → CP hooks. The model
 files stay single-device; every step here changes module structure or installs hooks from
 outside.
 """
@@ -21,7 +21,9 @@ from .expert import apply_expert_parallel
 from ..compile import compile_blocks
 from .fsdp import apply_fsdp, decoder_blocks, routed_expert_params, set_divide_factor, shard_mesh
 from .precision import apply_fp8
+from .offload import apply_activation_offload
 from .recompute import apply_recompute
+from .storage import apply_param_storage
 from .pipeline import PipelineParallel, StageSpec, cut_stage, local_specs, stage_specs
 
 
@@ -38,6 +40,10 @@ class ParallelDims:
             ``["full"]`` for whole layers).
         compile_backend: ``torch.compile`` each block with this backend (``compile.backend`` of the recipe
             when ``compile.enable``); None: run eagerly.
+        params_dtype: storage of the GEMM weights FSDP does not shard (``precision.params_dtype``;
+            ``storage.apply_param_storage``).
+        cpu_offloading: the layer inputs whole-layer recompute keeps go to pinned host memory
+            (``parallel.cpu_offloading``; ``offload.apply_activation_offload``).
     """
 
     pp: int = 1
@@ -47,6 +53,8 @@ class ParallelDims:
     distributed_optimizer: bool = False
     recompute: tuple[str, ...] = ()
     compile_backend: Optional[str] = None
+    params_dtype: str = "fp32"
+    cpu_offloading: bool = False
 
     @property
     def pipelined(self) -> bool:
@@ -87,6 +95,9 @@ class ParallelModel:
             their gradients are reduced over the edp group); empty when ep = 1.
         sharded: FSDP2 shards the other parameters over the S group (``distributed_optimizer``).
         fp8_modules, recomputed: FQNs of the modules converted to FP8 / the recomputed regions.
+        low_precision: FQNs of the parameters stored in bf16; offloaded: FQNs of the layers whose inputs go to host.
+        params_dtype: the storage applied (``ParallelDims.params_dtype``): a phase change stores the indexers it
+            builds the same way, as a model built in that phase would.
         compiled: the number of blocks compiled (``model/compile.py``).
     """
 
@@ -99,6 +110,9 @@ class ParallelModel:
     fp8_modules: list[str] = field(default_factory=list)
     recomputed: list[str] = field(default_factory=list)
     compiled: int = 0
+    low_precision: list[str] = field(default_factory=list)
+    offloaded: list[str] = field(default_factory=list)
+    params_dtype: str = "fp32"
 
     def _all(self) -> list[V4Model]:
         return [self.model] + [p for p in self.parts if p is not self.model]
@@ -136,6 +150,9 @@ class ParallelModel:
         self.model.set_phase(phase)
         for p in self.parts:
             p.phase = phase
+        if self.params_dtype != "fp32":  # the indexers just built, stored as a model built in this phase stores them
+            self.low_precision = apply_param_storage(self.model, self.params_dtype, fsdp=self.sharded,
+                                                     unsharded=self.experts)
 
     def set_kernel_backend(self, name: str) -> None:
         """``V4Model.set_kernel_backend`` on the model and every part."""
@@ -188,8 +205,14 @@ def parallelize(model: V4Model, dims: ParallelDims, groups: ParallelGroups, devi
         if precision is not None:
             pm.fp8_modules += apply_fp8(part, precision)
         pm.recomputed += apply_recompute(part, list(dims.recompute))
+        if dims.cpu_offloading:
+            pm.offloaded += apply_activation_offload(part)
         if dims.compile_backend is not None and decoder_blocks(part):
             pm.compiled += compile_blocks(part, backend=dims.compile_backend)
+    # 2c. Storage: bf16 GEMM weights outside FSDP (in place: pm.experts and the parts keep the same Parameters).
+    pm.low_precision = apply_param_storage(pm.model, dims.params_dtype, fsdp=dims.distributed_optimizer,
+                                           unsharded=pm.experts)
+    pm.params_dtype = dims.params_dtype
     # 3. FSDP: fully_shard per block, per MTP layer, then per part, over the S group (experts left to EP).
     if dims.distributed_optimizer:
         apply_fsdp(pm.parts, shard_mesh(groups.shard, device.type), dp=groups.dp, ignored_params=pm.experts)

@@ -101,14 +101,20 @@ def param_groups_for(recipe: Any, phase: str, manifest: Any, same_recipe: bool) 
     """Optimizer-group summaries of the model as the job would build it for ``phase``.
 
     Reuses the manifest's when nothing changed; otherwise builds the model on the meta device
-    (no memory; about a minute for full V4-Flash).
+    (no memory; about a minute for full V4-Flash), its GEMM weights stored as ``precision.params_dtype`` says.
     """
     if same_recipe and phase == manifest.model_phase:
         return dict(manifest.param_groups)
     from ..checkpoints.base import describe_params
     from .optim import group_kind
 
+    from ..model.parallel.fsdp import routed_expert_params
+    from ..model.parallel.storage import apply_param_storage
+
     model = _meta_model(recipe, phase)
+    par = recipe.parallel  # stored as the job's seam stores it (precision.params_dtype)
+    apply_param_storage(model, recipe.precision.params_dtype, fsdp=par.distributed_optimizer,
+                        unsharded=routed_expert_params([model]) if par.ep > 1 else ())
     groups: dict[str, list] = {}
     for name, p in model.named_parameters():
         tag = "indexer" if ".indexer." in name else "base"

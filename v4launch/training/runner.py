@@ -28,6 +28,7 @@ from .gc_schedule import GarbageCollection
 from .graph_step import CapturedStep, stage_graph_plan
 from .manifest_tables import param_group_tables
 from .model_adapter import model_args_from_recipe
+from .master_weights import storage_for
 from .optim import Optimizers
 from .plan import LRSchedule, StagePlan, plan_curriculum, recompute_names
 from .released_init import load_released_init
@@ -93,7 +94,8 @@ class Runner:
         self.dims = ParallelDims(pp=par.pp, vpp=par.vpp, pp_layout=par.pp_layout, ep=par.ep,
                                  distributed_optimizer=par.distributed_optimizer,
                                  recompute=tuple(recompute_names(self.recipe)),
-                                 compile_backend=self.recipe.compile.backend if self.recipe.compile.enable else None)
+                                 compile_backend=self.recipe.compile.backend if self.recipe.compile.enable else None,
+                                 params_dtype=self.recipe.precision.params_dtype, cpu_offloading=par.cpu_offloading)
         refuse_missing_toolchain(self.dims.compile_backend, info.device)  # again on the node that runs it
         self.groups = Groups(info, {p.cp for p in self.plans}, pp=par.pp, ep=par.ep)  # collective: every rank, same order
         self.layout: Layout = self.groups.layout(self.plans[0].cp)
@@ -154,7 +156,8 @@ class Runner:
             raise ContractViolation(str(exc).split(" Fix: ")[0], hint=str(exc).partition(" Fix: ")[2] or
                                     "check `v4launch validate`") from None
         self.model = self.pm.model  # this rank's parameters under their single-device names
-        self.opt = Optimizers(self.model, self.recipe.optimizer, tags=tags)
+        self.opt = Optimizers(self.model, self.recipe.optimizer, tags=tags,
+                              storage=storage_for(self.recipe.precision))
         self.progress.phase = phase
 
     def _checkpoint_to_load(self, request: dict | None) -> Path | None:
