@@ -20,7 +20,7 @@ from v4launch.model.parallel.fsdp import routed_expert_params  # noqa: E402
 from v4launch.model.parallel.storage import apply_param_storage  # noqa: E402
 from v4launch.recipe_loading import load_recipe  # noqa: E402
 from v4launch.training.model_adapter import model_args_from_recipe  # noqa: E402
-from v4launch.validators.memory_plan import _stored_low  # noqa: E402
+from v4launch.validators.memory_storage import stored_low as _stored_low  # noqa: E402
 from v4launch.validators.param_count import model_params  # noqa: E402
 
 EXPERT = re.compile(r"^(.*\.ffn\.experts)\.\d+\.w[123]\.weight$")

@@ -140,18 +140,21 @@ def test_wrong_dtypes_and_shapes_are_refused():
 
 
 def test_storage_options_from_the_precision_section():
-    old = SimpleNamespace(dtype="bf16")  # a section without the new fields: defaults
-    assert StorageOptions.from_precision(old) == StorageOptions(torch.float32, torch.float32, True)
-    assert storage_for(old) is None
-    new = SimpleNamespace(params_dtype="bf16", store_param_remainders=False, exp_avg_dtype="bf16",
+    from v4launch.validators.schema.precision import PrecisionConfig
+
+    default = PrecisionConfig()  # the recipe's defaults: today's optimizers, unchanged
+    assert StorageOptions.from_precision(default) == StorageOptions(torch.float32, torch.float32, True)
+    assert storage_for(default) is None
+    new = PrecisionConfig(params_dtype="bf16", store_param_remainders=False, exp_avg_dtype="bf16",
                           exp_avg_sq_dtype="fp32")
     opts = StorageOptions.from_precision(new)
     assert opts == StorageOptions(torch.bfloat16, torch.float32, False) and opts.master_key == MASTER_PARAM
     assert storage_for(new) == opts
     assert StorageOptions().master_key == MASTER_REMAINDER
-    assert storage_for(SimpleNamespace(params_dtype="fp32", exp_avg_sq_dtype="bf16")).exp_avg_sq_dtype == torch.bfloat16
+    assert storage_for(PrecisionConfig(exp_avg_sq_dtype="bf16")).exp_avg_sq_dtype == torch.bfloat16
+    bad = SimpleNamespace(params_dtype="fp32", exp_avg_dtype="fp16", exp_avg_sq_dtype="fp32", store_param_remainders=True)
     with pytest.raises(ValueError, match=r"precision.exp_avg_dtype = 'fp16': choose one of fp32, bf16"):
-        StorageOptions.from_precision(SimpleNamespace(exp_avg_dtype="fp16"))
+        StorageOptions.from_precision(bad)
     with pytest.raises(ValueError, match="exp_avg_sq_dtype"):
         StorageOptions(exp_avg_sq_dtype=torch.float16)
 

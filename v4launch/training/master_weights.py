@@ -177,19 +177,18 @@ class StorageOptions:
     @classmethod
     def from_precision(cls, precision: Any) -> StorageOptions:
         """From the recipe's ``precision`` section (``exp_avg_dtype``, ``exp_avg_sq_dtype``: "fp32" | "bf16";
-        ``store_param_remainders``); a section without these fields gives the defaults (fp32, fp32, True).
+        ``store_param_remainders``).
 
         Raises:
             ValueError: a dtype spelled other than "fp32" / "bf16" (names the field and the choices).
         """
-        def dtype(field: str) -> torch.dtype:
-            value = getattr(precision, field, "fp32")
+        def dtype(field: str, value: str) -> torch.dtype:
             if value not in DTYPES:
                 raise ValueError(f"precision.{field} = {value!r}: choose one of {', '.join(DTYPES)}")
             return DTYPES[value]
 
-        return cls(dtype("exp_avg_dtype"), dtype("exp_avg_sq_dtype"),
-                   bool(getattr(precision, "store_param_remainders", True)))
+        return cls(dtype("exp_avg_dtype", precision.exp_avg_dtype),
+                   dtype("exp_avg_sq_dtype", precision.exp_avg_sq_dtype), bool(precision.store_param_remainders))
 
     @property
     def master_key(self) -> str:
@@ -226,7 +225,7 @@ def storage_for(precision: Any) -> StorageOptions | None:
         ValueError: as :meth:`StorageOptions.from_precision`.
     """
     storage = StorageOptions.from_precision(precision)
-    if getattr(precision, "params_dtype", "fp32") == "fp32" and storage.exp_avg_dtype == torch.float32 \
+    if precision.params_dtype == "fp32" and storage.exp_avg_dtype == torch.float32 \
             and storage.exp_avg_sq_dtype == torch.float32:
         return None
     return storage
