@@ -17,7 +17,7 @@ layer's own activations go to the checkpoint's inner hooks and are recomputed in
   contiguous and at least ``min_bytes`` large is copied into a pinned host buffer on a side stream (which first
   waits for the current stream), ``non_blocking``; ``record_stream`` keeps the caching allocator from reusing the
   GPU memory until that copy has run, so the GPU tensor is freed as soon as the forward drops it. Other tensors
-  (token ids, small ones, CPU ones) are kept as they are.
+  (token ids, small ones, CPU ones, leaves that require grad such as parameters) are kept as they are.
 * unpack (backward): the tensor on its device. The first unpack of a block call's tensors starts the copy back of
   the tensors of the block call that ran before it in the same forward pass (the one backward reaches next), on
   the side stream, into memory allocated on the current stream; unpack itself makes the current stream wait for
@@ -56,6 +56,8 @@ MIN_BYTES = 1 << 20
 
 _SLOT = "_v4_offload_slot"
 """Instance attribute of an offloaded block: its :class:`_Slot` (position in its part, settings)."""
+_INPUT_SLOT = "_v4_offload_input_slot"
+"""Instance attribute of an offloaded MTP layer: the :class:`_Slot` of its ``mtp_input`` call (before its block)."""
 
 
 @dataclasses.dataclass
@@ -228,18 +230,22 @@ _ENGINE = _Engine()
 
 
 def _offloadable(t: torch.Tensor, slot: _Slot) -> bool:
-    """A tensor worth moving: plain, floating, contiguous, on CUDA (or the CPU when ``slot.cpu``), large enough."""
+    """A tensor worth moving: plain, floating, contiguous, on CUDA (or the CPU when ``slot.cpu``), large enough, and
+    not a leaf that requires grad (a parameter, or a pipeline stage's received input: its owner keeps it alive, so
+    moving it would free nothing)."""
     on = t.is_cuda or (slot.cpu and t.device.type == "cpu")
     return (on and type(t) is torch.Tensor and t.is_floating_point() and t.is_contiguous()
+            and not (t.is_leaf and t.requires_grad)
             and t.numel() > 0 and t.nbytes >= slot.min_bytes)
 
 
-def _offloading(base_forward):
-    """``forward`` that runs ``base_forward`` under the engine's saved-tensor hooks (grad mode only)."""
+def _offloading(base_forward, slot_key: str = _SLOT):
+    """``forward`` (or an MTP layer's ``mtp_input``) that runs ``base_forward`` under the engine's saved-tensor
+    hooks (grad mode only), as the call of the slot at ``slot_key``."""
 
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
-        slot = self.__dict__.get(_SLOT)
+        slot = self.__dict__.get(slot_key)
         if slot is None or not torch.is_grad_enabled():
             return base_forward(self, *args, **kwargs)
         group = _ENGINE.begin(slot)
@@ -258,12 +264,16 @@ def _offload_class(cls: type) -> type:
         return cls
     if cls not in _OFFLOAD_CLASSES:
         namespace = {"_v4_offload": True, "forward": _offloading(cls.forward), "__module__": __name__}
+        if hasattr(cls, "mtp_input"):  # an MTP layer: its input projections' saved tensors go to host too
+            namespace["mtp_input"] = _offloading(cls.mtp_input, _INPUT_SLOT)
         _OFFLOAD_CLASSES[cls] = type(f"Offload{cls.__name__}", (cls,), namespace)
     return _OFFLOAD_CLASSES[cls]
 
 
-def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu_tensors: bool = False) -> list[str]:
-    """Offload the inputs every decoder block and MTP layer of ``part`` keeps under whole-layer recompute.
+def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu_tensors: bool = False,
+                             mtp_inputs: bool = True) -> list[str]:
+    """Offload the inputs every decoder block and MTP layer of ``part`` keeps under whole-layer recompute, and the
+    tensors an MTP layer's ``mtp_input`` (enorm, hnorm, e_proj / h_proj) saves for backward.
 
     Args:
         part: a ``V4Model`` or a pipeline stage cut from one, after ``apply_recompute(part, ["full"])``; before or
@@ -271,6 +281,8 @@ def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu
         min_bytes: smallest tensor moved (bytes; default :data:`MIN_BYTES`, 1 MiB).
         cpu_tensors: also move CPU tensors (into a separate CPU buffer, with the same chain and counts): for tests
             on machines without a GPU.
+        mtp_inputs: also move what each MTP layer's ``mtp_input`` saves (its call runs under the hooks as one more
+            link of the chain, before the layer's block; the memory plan counts it, ``mtp_input_bytes_per_token``).
     Returns:
         The FQNs of the blocks whose forward runs under the hooks (``layers.0`` ... ``mtp.0``), in forward order;
         empty when ``part`` holds no block.
@@ -292,9 +304,16 @@ def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu
                 "parallel.recompute_modules=[] (apply_recompute(part, ['full']) before apply_activation_offload), "
                 "or parallel.cpu_offloading=false.")
     token = object()
-    for index, block in enumerate(blocks):
+    index = 0  # forward order: layers, then per MTP layer its mtp_input call and its block
+    for block in blocks:
+        if mtp_inputs and hasattr(block, "mtp_input"):
+            block.__dict__[_INPUT_SLOT] = _Slot(token, index, min_bytes, cpu_tensors)
+            index += 1
+        else:
+            block.__dict__.pop(_INPUT_SLOT, None)
         block.__dict__[_SLOT] = _Slot(token, index, min_bytes, cpu_tensors)
         block.__class__ = _offload_class(type(block))
+        index += 1
     return [names[id(b)] for b in blocks]
 
 

@@ -36,6 +36,7 @@ def _pair(gen, phase="sparse", dtype=torch.float64, device="cpu", args=None, **o
     apply_recompute(ref, [FULL_LAYER])
     off = copy.deepcopy(ref)
     kw = dict(min_bytes=0, cpu_tensors=True) if device == "cpu" else {}
+    kw["mtp_inputs"] = False  # the block inputs only; test_mtp_inputs_offloaded_too covers mtp_input
     a = ref.args
     want = [f"layers.{i}" for i in range(a.n_layers)] + [f"mtp.{k}" for k in range(a.n_mtp_layers)]
     assert apply_activation_offload(off, **{**kw, **offload_kw}) == want
@@ -70,7 +71,8 @@ def test_gradients_bitwise_equal_and_copies_prefetched(phase, gen):
     assert after_forward.forwards == 1 and after_forward.offloaded_tensors == len(BLOCKS)
     assert after_forward.offloaded_bytes == after_forward.last_forward_bytes == len(BLOCKS) * T * hc * dim * 8
     assert after_forward.host_bytes == after_forward.peak_host_bytes == after_forward.offloaded_bytes
-    assert after_forward.kept_tensors == len(BLOCKS)  # the int64 token ids
+    # kept: the int64 token ids, and where torch's checkpoint saves an empty placeholder tensor (torch 2.11), that
+    assert after_forward.kept_tensors in (len(BLOCKS), 2 * len(BLOCKS))
     # backward: mtp.0 (the last call) copies back late and prefetches layers.3, which prefetches layers.2, ...
     assert (s.late, s.prefetched) == (1, len(BLOCKS) - 1)
     assert s.host_bytes == 0  # autograd dropped every host copy after backward
@@ -94,8 +96,38 @@ def test_packs_exactly_the_block_inputs(gen, monkeypatch):
     total(off(*packed_batch(LENGTHS, ref.args.vocab_size, gen))).backward()
     assert [n for n, _ in inputs] == BLOCKS
     want = [(*t, t[1] != torch.float64) for _, ts in inputs for t in ts]  # float64 streams moved, int64 ids kept
+    placeholders = [p for p in packed if p[0].numel() == 0]  # torch 2.11's checkpoint saves an empty tensor too
+    assert all(p[3] for p in placeholders) and len(placeholders) in (0, len(BLOCKS))
+    packed = [p for p in packed if p[0].numel() > 0]
     assert packed == want and len(packed) == 2 * len(BLOCKS)
     assert [tuple(p[0]) for p in packed[::2]] == [(sum(LENGTHS), 2, 32)] * len(BLOCKS)
+
+
+def test_mtp_inputs_offloaded_too(gen):
+    """With ``mtp_inputs`` (the job's setting) an MTP layer's ``mtp_input`` call packs exactly what it saves for
+    backward (counted here by plain saved-tensor hooks around the reference's call), as one more link of the chain
+    before the MTP block; gradients stay bitwise."""
+    ref, off = _pair(gen)
+    apply_activation_offload(off, min_bytes=0, cpu_tensors=True, mtp_inputs=True)
+    layer = ref.mtp[0]
+    saved = []
+    method = type(layer).mtp_input
+
+    def counting(self, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            return method(self, *args, **kwargs)
+    layer.mtp_input = counting.__get__(layer)
+    batch = packed_batch(LENGTHS, ref.args.vocab_size, gen)
+    total(ref(*batch)).backward()
+    reset_offload_stats()
+    total(off(*batch)).backward()
+    s = offload_stats()
+    # what offload moves: plain floating contiguous tensors (not the weights, which the layer's GEMMs save too)
+    moved = [t for t in saved if type(t) is torch.Tensor and t.is_floating_point() and t.is_contiguous() and t.numel()]
+    assert moved and s.forwards == 1 and s.offloaded_tensors == len(BLOCKS) + len(moved)
+    # backward: mtp.0's block (the last call) copies back late, prefetches mtp_input, which prefetches layers.3, ...
+    assert (s.late, s.prefetched) == (1, len(BLOCKS) + len(moved) - 1) and s.host_bytes == 0
+    _assert_bitwise(ref, off)
 
 
 def test_interleaved_micro_batches_chain_per_forward(gen):
@@ -137,9 +169,10 @@ def test_names_unchanged_and_applying_twice_harmless(gen):
     plain = build(tiny_args(), "dense", gen)
     model = copy.deepcopy(plain)
     apply_recompute(model, [FULL_LAYER])
-    assert apply_activation_offload(model, min_bytes=0, cpu_tensors=True) == BLOCKS
+    assert apply_activation_offload(model, min_bytes=0, cpu_tensors=True, mtp_inputs=False) == BLOCKS
     classes = {n: type(m) for n, m in model.named_modules()}
-    assert apply_activation_offload(model, min_bytes=0, cpu_tensors=True) == BLOCKS == offloaded_blocks(model)
+    assert apply_activation_offload(model, min_bytes=0, cpu_tensors=True, mtp_inputs=False) == BLOCKS \
+        == offloaded_blocks(model)
     assert {n: type(m) for n, m in model.named_modules()} == classes
     assert type(model.layers[0]).__name__ == "OffloadRecomputeBlock" and type(model.mtp[0]).__mro__[1].__name__ \
         == "RecomputeMTPLayer"
@@ -158,13 +191,26 @@ def test_small_tensors_and_cpu_tensors_kept_by_default(gen):
     _, off = _pair(gen, min_bytes=1 << 20)  # the streams here are ~50 KiB
     reset_offload_stats()
     total(off(*packed_batch(LENGTHS, off.args.vocab_size, gen))).backward()
-    assert offload_stats().offloaded_tensors == 0 and offload_stats().kept_tensors == 2 * len(BLOCKS)
+    assert offload_stats().offloaded_tensors == 0 and offload_stats().kept_tensors in (2 * len(BLOCKS), 3 * len(BLOCKS))
     ref = build(tiny_args(), "dense", gen)
     apply_recompute(ref, [FULL_LAYER])
     apply_activation_offload(ref)  # CPU tensors are not moved without cpu_tensors
     reset_offload_stats()
     total(ref(*packed_batch(LENGTHS, ref.args.vocab_size, gen))).backward()
     assert offload_stats().offloaded_tensors == 0
+
+
+def test_leaves_that_require_grad_kept(gen):
+    """A parameter, or a pipeline stage's received input (a leaf its stage keeps for backward), is not moved: its
+    owner keeps it alive, so a host copy would free nothing."""
+    _, off = _pair(gen)
+    group = offload._ENGINE.begin(off.layers[0].__dict__[offload._SLOT])
+    leaf = torch.randn(8, 2, 32, dtype=torch.float64, requires_grad=True)
+    reset_offload_stats()
+    for t in (leaf, off.layers[0].hc_attn_fn):
+        assert offload._ENGINE.pack(group, t) is t
+    assert not isinstance(offload._ENGINE.pack(group, leaf * 2), torch.Tensor)  # an activation is moved
+    assert (offload_stats().kept_tensors, offload_stats().offloaded_tensors) == (2, 1)
 
 
 @pytest.mark.slow
@@ -174,6 +220,8 @@ def test_compiled_regions_bitwise_equal(gen):
     from v4launch.model.compile import compile_blocks
 
     torch._dynamo.reset()
+    if torch.cuda.is_available():  # else compiling inside the checkpoint initialises CUDA, which checkpoint refuses
+        torch.cuda.init()
     ref, off = _pair(gen, "dense", args=tiny_args(n_layers=2, compress_ratios=(0, 4, 0)))  # layers.0, layers.1, mtp.0
     for m in (ref, off):
         assert compile_blocks(m, backend="aot_eager") == 3
@@ -225,10 +273,12 @@ GPU_LENGTHS = [1500, 2596]  # T = 4096: each layer's streams [4096, 2, 32] float
 
 
 def _gpu_step(model, batch):
+    """(loss, bytes allocated by the forward and still held after it)."""
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     loss = total(model(*batch))
     torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
+    held = torch.cuda.memory_allocated() - before
     loss.backward()
     torch.cuda.synchronize()
     return loss.detach(), held
@@ -240,11 +290,13 @@ def test_gpu_inputs_leave_gpu_memory_and_come_back_prefetched(gen):
     batch = [t.cuda() if isinstance(t, torch.Tensor) else t for t in packed_batch(GPU_LENGTHS, 61, gen)]
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        want, held_ref = _gpu_step(ref, batch)
+        want, _ = _gpu_step(ref, batch)  # the first step also allocates the library workspaces
         grads_ref = {n: g.clone() for n, g in _grads(ref).items()}
         ref.zero_grad(set_to_none=True)
-        again, _ = _gpu_step(ref, batch)
+        again, held_ref = _gpu_step(ref, batch)
         reproducible = torch.equal(again, want) and all(torch.equal(g, grads_ref[n]) for n, g in _grads(ref).items())
+        _gpu_step(off, batch)  # warm too: lazily built tables of its own
+        off.zero_grad(set_to_none=True)
         reset_offload_stats()
         got, held_off = _gpu_step(off, batch)
     finally:
@@ -253,8 +305,8 @@ def test_gpu_inputs_leave_gpu_memory_and_come_back_prefetched(gen):
     streams = sum(GPU_LENGTHS) * 2 * 32 * 4
     assert s.offloaded_tensors == len(BLOCKS) and s.offloaded_bytes == len(BLOCKS) * streams
     assert (s.late, s.prefetched) == (1, len(BLOCKS) - 1) and s.host_bytes == 0
-    freed = held_ref - held_off  # the caching allocator rounds each block up to 512 bytes
-    assert s.offloaded_bytes <= freed <= s.offloaded_bytes + len(BLOCKS) * 512, (freed, s)
+    freed = held_ref - held_off  # the streams, each rounded up to the caching allocator's 512-byte blocks
+    assert abs(freed - s.offloaded_bytes) <= 64 << 10, (held_ref, held_off, s)
     if not reproducible:
         pytest.skip("the reference step is not bitwise reproducible on this GPU; offload compared to it is not either")
     assert torch.equal(got, want)
