@@ -12,8 +12,11 @@ PARTS=${PARTS:-tests calib offload optim}
 for part in $PARTS; do
   case $part in
   tests)
-    timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider tests/model/test_offload.py \
-        tests/model/test_param_storage.py tests/training/test_optim_storage.py 2>&1 | tee $OUT/gpu_tests.txt | tail -4 ;;
+    # from /tmp with --rootdir: the checkout's v4launch/ would shadow the installed package (run_h200_tests.sh)
+    (cd /tmp && timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir=/tmp \
+        $REPO/tests/model/test_offload.py $REPO/tests/model/test_param_storage.py \
+        $REPO/tests/training/test_optim_storage.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests exit $?")
+    tail -4 $OUT/gpu_tests.txt ;;
   calib)
     timeout ${CALIB_TIMEOUT:-240} python3 benchmarks/memory_calibration.py --json $OUT/memory_calibration_storage.json \
         --rows ${ROWS:-full:4:65536 full:4:65536:bf16 full:4:65536:offload full:4:65536:bf16+offload \

@@ -240,7 +240,11 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
             c.cp += gathered
         c.backward_set = max(c.backward_set, backward_working_set(m, s))
         c.attention_workspace = max(c.attention_workspace, attention_workspace(m, ratio, s))
-    if "E" in symbols:
+    if "E" in symbols and s.offload and layers:  # the first layer's fp32 input streams go to host whole
+        first = (embed_bytes_per_token(m, s.act) + block_input_bytes_per_token(m, s.act)) * s.rows
+        c.offloaded += embed_bytes_per_token(m, s.act) * s.rows
+        c.offload_resident = max(c.offload_resident, first)
+    elif "E" in symbols:
         c.activations += embed_bytes_per_token(m, s.act) * s.rows
     if carries_mtp_embeddings:
         c.activations += mtp_embeddings_bytes_per_token(m) * s.rows
