@@ -67,12 +67,13 @@ def build(a):
         args, chunk, kernels = model_args_from_recipe(recipe), recipe.attention.kl_chunk_size, a.kernels
         what = f"Flash widths {FLASH_WIDTHS['dim']} x {a.layers} layers (CSA/HCA)"
     torch.manual_seed(0)
-    try:  # drawn on the device: a CPU draw of the Flash-width parameters takes minutes
-        with device:
-            model = V4Model(args, phase=a.phase, chunk_size=chunk, kernel_backend=kernels)
-    except Exception as exc:  # noqa: BLE001 - a model part that cannot be built there: build on the CPU
-        print(f"built on the CPU ({type(exc).__name__}: {exc})")
-        model = V4Model(args, phase=a.phase, chunk_size=chunk, kernel_backend=kernels).to(device)
+    try:
+        with device:  # drawn on the device: a CPU draw of the Flash-width parameters takes minutes
+            model = V4Model(args, phase="dense", chunk_size=chunk, kernel_backend=kernels)
+    except RuntimeError as exc:  # a seeded CPU draw (e.g. a hash router's table) refused there
+        print(f"built on the CPU ({exc})")
+        model = V4Model(args, phase="dense", chunk_size=chunk, kernel_backend=kernels).to(device)
+    model.set_phase(a.phase)  # the indexers: seeded CPU draws (refused under a CUDA default device), copied over
     apply_recompute(model, [FULL_LAYER])
     T = a.tokens
     tokens = torch.randint(0, args.vocab_size, (T,), device=device)
