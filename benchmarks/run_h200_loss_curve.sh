@@ -8,14 +8,16 @@
 #   bf16_storage    bf16_kernels with precision-aware storage: bf16 GEMM weights + 16-bit remainders, bf16 moments
 #   bf16_offload    bf16_kernels with whole-layer recompute and the layer inputs in host memory (no CUDA graph:
 #                   host copies cannot be captured)
-# VARIANTS picks a subset (default all four). Then benchmarks/compare_runs.py of each against fp32_reference
+# VARIANTS picks a subset (default all four), WAVE of them at a time (default 2). Then benchmarks/compare_runs.py of each against fp32_reference
 # (windows of 20 steps, limit 2%): $OUT/compare_<variant>.txt, the logs, every metrics.jsonl.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 read -r S0 S1 S2 <<< "${STEPS:-80 20 100}"
 SEQ=${SEQ:-4096}
 VARIANTS=${VARIANTS:-fp32_reference bf16_kernels bf16_storage bf16_offload}
-COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.stages.2.steps=$S2 logging.interval_steps=1"
+# one checkpoint per run, deleted when the run ends: four runs' checkpoints of the ~1.1 B-parameter model with its
+# optimizer state filled the machine's 64 GiB disk on 2026-12-04 (benchmarks/results/loss_curve_storage_h200_*)
+COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.stages.2.steps=$S2 logging.interval_steps=1 checkpointing.keep_last=1"
 for i in 0 1 2; do COMMON="$COMMON curriculum.stages.$i.seq_len=$SEQ"; done
 STORAGE="precision.params_dtype=bf16 precision.store_param_remainders=true precision.exp_avg_dtype=bf16 precision.exp_avg_sq_dtype=bf16"
 OFFLOAD="parallel.recompute_granularity=full parallel.cpu_offloading=true compile.cuda_graph=false"
@@ -24,8 +26,13 @@ run() {  # name, overrides...
     mkdir -p /tmp/ws_$name/.v4launch && (cd /tmp/ws_$name && timeout ${RUN_TIMEOUT:-540} python3 -m v4launch run \
         $REPO/recipes/bench_h200.yaml --no-progress $COMMON "$@" > $OUT/${name}.log 2>&1; echo "$name exit $?")
     cp /tmp/ws_$name/runs/*/metrics.jsonl $OUT/${name}_metrics.jsonl 2>/dev/null
+    rm -rf /tmp/ws_$name/runs/*/checkpoints
 }
+WAVE=${WAVE:-2}  # variants run at once (the disk holds about two runs' checkpoints)
+n=0
 for v in $VARIANTS; do
+  [ $n -gt 0 ] && [ $((n % WAVE)) -eq 0 ] && wait
+  n=$((n + 1))
   case $v in
   fp32_reference) run fp32_reference precision.dtype=fp32 attention.kernel_backend=reference compile.enable=false \
                       compile.cuda_graph=false & ;;
