@@ -227,7 +227,8 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
         gathered = compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
         if full:  # the layer keeps its input streams; backward re-runs it whole, one layer at a time
             kept = block_input_bytes_per_token(m, s.act) * s.rows
-            if s.offload:  # in host memory between the layer's forward and its backward
+            received = layer == layers[0] and "E" not in symbols  # the stage's input: the pipeline holds it
+            if s.offload and not received:  # in host memory between the layer's forward and its backward
                 c.offloaded += kept
                 c.offload_resident = max(c.offload_resident, kept)
                 kept = 0.0
