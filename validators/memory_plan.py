@@ -142,7 +142,13 @@ class _StageCost:
     attention_workspace: float = 0.0
     loss_transient: float = 0.0
     offloaded: float = 0.0
-    offload_resident: float = 0.0
+    offload_inputs: list = field(default_factory=list)  # bytes of each offloaded layer input (cpu_offloading)
+
+    @property
+    def offload_resident(self) -> float:
+        """What the GPU holds of the offloaded inputs in backward: the layer re-run and the one prefetched after it,
+        at most the two largest."""
+        return sum(sorted(self.offload_inputs)[-2:])
 
 
 _SPECS_CACHE: dict[tuple[int, str], tuple] = {}
@@ -230,7 +236,7 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
             received = layer == layers[0] and "E" not in symbols  # the stage's input: the pipeline holds it
             if s.offload and not received:  # in host memory between the layer's forward and its backward
                 c.offloaded += kept
-                c.offload_resident = max(c.offload_resident, kept)
+                c.offload_inputs.append(kept)
                 kept = 0.0
             c.activations += kept + extra
             c.recompute_layer = max(c.recompute_layer, own + per["top-k"] * s.rows + gathered
@@ -244,7 +250,7 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
     if "E" in symbols and s.offload and layers:  # the first layer's fp32 input streams go to host whole
         first = (embed_bytes_per_token(m, s.act) + block_input_bytes_per_token(m, s.act)) * s.rows
         c.offloaded += embed_bytes_per_token(m, s.act) * s.rows
-        c.offload_resident = max(c.offload_resident, first)
+        c.offload_inputs[0] = first  # the first layer's: its streams are fp32
     elif "E" in symbols:
         c.activations += embed_bytes_per_token(m, s.act) * s.rows
     if carries_mtp_embeddings:
@@ -316,7 +322,7 @@ def _rank_plan(recipe: Recipe, index: int, rank: int, stages: list[tuple[str, ..
     ce = max((costs[i].loss_transient for i in local), default=0.0)
     sum_ops = lambda attr: int(sum(getattr(costs[i], attr) for i in ops))  # noqa: E731
     # under cpu_offloading the GPU holds the input of the layer backward re-runs and of the one prefetched after it
-    resident = 2 * int(max((costs[i].offload_resident for i in local), default=0.0))
+    resident = int(max((costs[i].offload_resident for i in local), default=0.0))
     saved = sum(sum_ops(k) for k in ("weight_copies", "activations", "cp", "topk", "loss")) + resident
     grads_at_peak, grads_note = st.grad_bytes, "as the parameters, kept across micro-batches"
     if s.captured:

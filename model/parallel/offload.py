@@ -110,6 +110,7 @@ class _Slot:
     index: int
     min_bytes: int
     cpu: bool
+    late: bool = False
 
 
 class _Group:
@@ -156,7 +157,10 @@ class _Engine:
         if not follows:
             _STATS.forwards += 1
             _STATS.last_forward_bytes = 0
-        self.last = _Group(slot, last if follows else None)
+        prev = last if follows else None
+        if prev is not None and prev.slot.late:  # not prefetched: the block after it links past it
+            prev = prev.prev
+        self.last = _Group(slot, prev)
         return self.last
 
     def pack(self, group: _Group, t: torch.Tensor):
@@ -283,6 +287,8 @@ def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu
             on machines without a GPU.
         mtp_inputs: also move what each MTP layer's ``mtp_input`` saves (its call runs under the hooks as one more
             link of the chain, before the layer's block; the memory plan counts it, ``mtp_input_bytes_per_token``).
+            Those tensors are not prefetched: each comes back when its own unpack asks for it, after the MTP block's
+            re-run, so they never sit on the GPU beside it (the MTP block prefetches the layer before mtp_input).
     Returns:
         The FQNs of the blocks whose forward runs under the hooks (``layers.0`` ... ``mtp.0``), in forward order;
         empty when ``part`` holds no block.
@@ -307,7 +313,9 @@ def apply_activation_offload(part: nn.Module, *, min_bytes: int = MIN_BYTES, cpu
     index = 0  # forward order: layers, then per MTP layer its mtp_input call and its block
     for block in blocks:
         if mtp_inputs and hasattr(block, "mtp_input"):
-            block.__dict__[_INPUT_SLOT] = _Slot(token, index, min_bytes, cpu_tensors)
+            # copied back at its own unpack, after the MTP block's backward: prefetched, it would sit on the GPU
+            # beside that block's re-run, the MTP layer's peak
+            block.__dict__[_INPUT_SLOT] = _Slot(token, index, min_bytes, cpu_tensors, late=True)
             index += 1
         else:
             block.__dict__.pop(_INPUT_SLOT, None)
