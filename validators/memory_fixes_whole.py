@@ -149,3 +149,47 @@ def _smallest_fitting_cp(recipe: Recipe, index: int, edits: dict[str, Any], opti
         else:
             lo = mid + 1
     return options[lo]
+
+
+def forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
+    """The stage that keeps the recipe off its own nodes: (name, GiB per GPU, pp) of the stage that needs the most
+    under every lever there (bf16 storage with offload, whole-layer recompute, FSDP, the largest ep, the stage's
+    largest cp), at the pipeline size where that stage needs the least; None when the plan cannot say (a layout
+    or stage it cannot plan). What `V4-MEMORY` names when nothing fits on the recipe's nodes."""
+    hit = _FORCING_CACHE.get(id(recipe))
+    if hit is not None and hit[0] is recipe:  # every failing stage of one validate run names the same stage
+        return hit[1]
+    if len(_FORCING_CACHE) > 8:
+        _FORCING_CACHE.clear()
+    found = _forcing_stage(recipe)
+    _FORCING_CACHE[id(recipe)] = (recipe, found)
+    return found
+
+
+_FORCING_CACHE: dict[int, tuple[Recipe, "tuple[str, float, int] | None"]] = {}
+
+
+def _forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
+    p, c, m = recipe.parallel, recipe.cluster, recipe.model
+    best: tuple[str, float, int] | None = None
+    for pp in _pp_candidates(recipe, c.nodes):
+        shard = c.nodes * c.gpus_per_node // (p.tp * pp)
+        edits: dict[str, Any] = {"parallel.pp": pp, "parallel.ep": max(divisors(gcd(m.moe.n_routed_experts, shard))),
+                                 "parallel.distributed_optimizer": True, **FULL_RECOMPUTE, **BF16_STORAGE, **OFFLOAD,
+                                 "parallel.micro_batch_size": 1}
+        if pp * (p.vpp if pp > 1 else 1) == 1:
+            edits.update({"parallel.vpp": 1, "parallel.pp_layout": None})
+        elif pp != p.pp:
+            continue  # another pipeline size needs a layout of its own: the recipe's pp and pp 1 are enough to name it
+        worst = None
+        for i, st in enumerate(recipe.curriculum.stages):
+            cps = [cp for cp in divisors(shard) if cp_ok(recipe, i, cp, shard)]
+            try:
+                plan = memory_plan(with_edits(recipe, {**edits, f"curriculum.stages.{i}.cp": cps[-1]}), i)
+            except (PlanUnavailable, ValueError, ZeroDivisionError, IndexError):
+                return None
+            if worst is None or plan.total_bytes > worst[1]:
+                worst = (st.name, plan.total_bytes / 2**30, pp)
+        if worst is not None and (best is None or worst[1] < best[1]):
+            best = worst
+    return best

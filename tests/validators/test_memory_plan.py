@@ -405,3 +405,27 @@ def test_plan_with_storage_and_offload_is_within_ten_percent_of_an_h200(row):
     assert abs(planned / measured - 1) <= STORAGE_TOLERANCE, (planned / GIB, measured / GIB)
     if "offload" in row["option"]:
         assert plan.host_offload_bytes > 0
+
+
+def test_nothing_fits_here_names_the_stage_that_forces_more_nodes():
+    """pro_16n: even with every lever on its 16 nodes one stage stays over budget; the fix names it and its GiB, and
+    that figure is the plan of that stage under those levers (pp 1, the largest ep and cp, storage and offload)."""
+    from v4launch.validators.memory_fixes import BF16_STORAGE, FULL_RECOMPUTE, OFFLOAD
+    from v4launch.validators.memory_fixes_whole import forcing_stage
+
+    recipe = load_recipe(RECIPES / "pro_16n.yaml").recipe
+    name, gib, pp = forcing_stage(recipe)
+    index = next(i for i, st in enumerate(recipe.curriculum.stages) if st.name == name)
+    world = recipe.cluster.world_size // pp
+    cp = max(c for c in range(1, world + 1) if world % c == 0 and recipe.curriculum.stages[index].seq_len % c == 0)
+    edits = {"parallel.pp": pp, "parallel.ep": 128 if world % 128 == 0 else world, "parallel.distributed_optimizer": True,
+             **FULL_RECOMPUTE, **BF16_STORAGE, **OFFLOAD, "parallel.micro_batch_size": 1,
+             f"curriculum.stages.{index}.cp": cp}
+    if pp == 1:
+        edits.update({"parallel.vpp": 1, "parallel.pp_layout": None})
+    plan = memory_plan(with_edits(recipe, edits), index)
+    assert gib > 139.8 and abs(plan.total_bytes / GIB - gib) < 0.05, (name, gib, plan.total_bytes / GIB)
+    code, text, _, exc = invoke(["validate", str(RECIPES / "pro_16n.yaml")])
+    assert code == 1 and exc is None
+    text = " ".join(text.split())  # one line however the console wrapped it
+    assert f"nothing fits on the recipe's 16 node(s), 32 is the fewest: stage {name} needs {gib:.1f} GiB per GPU" in text

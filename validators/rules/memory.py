@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..memory_fixes import fit_proposals
-from ..memory_fixes_whole import whole_recipe_fit
+from ..memory_fixes_whole import forcing_stage, whole_recipe_fit
 from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, memory_plan
 from .base import Context, rule
 from .contract import contract_failures
@@ -61,6 +61,16 @@ def _fix_text(ctx: Context, budget: int) -> str:
     return (f"set {whole.edits_text()} (every stage then fits, at most {_gib(whole.plan.total_bytes)} in stage "
             f"{whole.plan.stage_name}, and no other rule fails)"
             + (f"; nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s), {nodes} is the fewest"
-               if nodes != ctx.recipe.cluster.nodes else "")
+               + _forcing(ctx.recipe) if nodes != ctx.recipe.cluster.nodes else "")
             + ("; the larger global batches keep every stage's batch divisible over the new dp, so tokens "
                "per step grow too" if grows else ""))
+
+
+def _forcing(recipe) -> str:
+    """``: stage X needs N GiB there …`` naming the stage that keeps the recipe off its nodes, or ""."""
+    found = forcing_stage(recipe)
+    if found is None:
+        return ""
+    name, gib, pp = found
+    return (f": stage {name} needs {gib:.1f} GiB per GPU there even with bf16 storage, host offload, whole-layer "
+            f"recompute, FSDP, the largest ep and its largest cp (pp {pp})")
