@@ -145,14 +145,7 @@ def test_an_ep2_fsdp_run_stopped_after_the_rebuild_resumes_bitwise(new_run):
     """Stopped in the warm-up stage (after the sharded model was rebuilt with its indexers) and resumed at the
     same layout, the run continues with exactly the uninterrupted run's numbers (the resume builds the
     model in the checkpoint's phase and loads every FQN; the uninterrupted run moved its state by FQN)."""
-    from train_helpers import losses
-
-    from v4launch.launchers import LocalLauncher
+    from train_helpers import assert_resume_is_bitwise
 
     over = {"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2, "distributed_optimizer": True}}
-    full = new_run(over, name="full")
-    assert LocalLauncher().launch(full, progress=False).result.status == "completed"
-    run = new_run(over)
-    assert LocalLauncher().launch(run, max_steps=5, progress=False).result.step == 5
-    assert LocalLauncher().launch(run, progress=False).result.status == "completed"
-    assert losses(train_records(run)) == losses(train_records(full))
+    assert_resume_is_bitwise(new_run, over, stop_at=5)

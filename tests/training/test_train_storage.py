@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import losses, train_records
+from train_helpers import assert_resume_is_bitwise, losses, train_records
 
 from v4launch.launchers import LocalLauncher
 from v4launch.training.job import train
@@ -100,12 +100,7 @@ def test_ep2_fsdp_with_storage_resumes_bitwise(new_run):
     from test_train_crash_and_cli import _cli
 
     over = _with(STORAGE, {"cluster": {"gpus_per_node": 2}, "parallel": {"ep": 2, "distributed_optimizer": True}})
-    full = new_run(over, name="full")
-    assert LocalLauncher().launch(full, progress=False).result.status == "completed"
-    run = new_run(over)
-    assert LocalLauncher().launch(run, max_steps=5, progress=False).result.step == 5
-    assert LocalLauncher().launch(run, progress=False).result.status == "completed"
-    assert losses(train_records(run)) == losses(train_records(full))
+    run = assert_resume_is_bitwise(new_run, over, stop_at=5)
     code, text = _cli("resume", str(run), "cluster.gpus_per_node=1", "parallel.ep=1", "--dry-run")
     assert code != 0 and "bfloat16 → float32" in text and "layers.0.ffn.experts.0.w1.weight" in text, text
 

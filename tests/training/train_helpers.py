@@ -72,3 +72,18 @@ def train_records(run_dir: Path) -> dict[int, dict]:
 def losses(records: dict[int, dict]) -> dict[int, tuple]:
     """The bitwise-comparable numbers of each step: lm loss, every aux loss, grad norm."""
     return {s: (r["lm_loss"], tuple(sorted(r["aux"].items())), r["grad_norm"]) for s, r in records.items()}
+
+
+def assert_resume_is_bitwise(new_run, over: dict, stop_at: int) -> Path:
+    """Launch the recipe ``over`` twice with the local launcher (its processes, its layout): once uninterrupted,
+    once stopped after ``stop_at`` steps and resumed; every step's losses and gradient norm must be bitwise equal.
+    Returns the stopped-and-resumed run directory."""
+    from v4launch.launchers import LocalLauncher
+
+    full = new_run(over, name="full")
+    assert LocalLauncher().launch(full, progress=False).result.status == "completed"
+    run = new_run(over)
+    assert LocalLauncher().launch(run, max_steps=stop_at, progress=False).result.step == stop_at
+    assert LocalLauncher().launch(run, progress=False).result.status == "completed"
+    assert losses(train_records(run)) == losses(train_records(full))
+    return run

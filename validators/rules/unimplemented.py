@@ -11,16 +11,19 @@ from __future__ import annotations
 from .base import Context, rule
 
 
-@rule("V4-UNIMPL-OFFLOAD", fields=("parallel.offload_modules",), scope="recipe", fix="set parallel.offload_modules=[]")
+@rule("V4-UNIMPL-OFFLOAD", fields=("parallel.offload_modules",), scope="recipe",
+      fix="set parallel.offload_modules=[] parallel.cpu_offloading=true parallel.recompute_granularity=full")
 def check_offload_unimplemented(ctx: Context):
-    """Activation offload (parallel.offload_modules) is not implemented by the bundled job.
+    """Per-module activation offload (parallel.offload_modules) is not implemented; parallel.cpu_offloading is.
 
-    Source: validators/field_coverage.py (no reader of parallel.offload_modules in the job).
+    Source: validators/field_coverage.py (no reader of parallel.offload_modules in the job; model/parallel/offload.py
+    moves the inputs of whole-layer-recomputed layers, parallel.cpu_offloading).
     """
     mods = list(ctx.parallel.offload_modules)
     if mods:
-        return ctx.finding("parallel.offload_modules", mods, f"parallel.offload_modules={mods}: activation offload to "
-                           "host memory is not implemented by the bundled job; every activation stays on the GPU")
+        return ctx.finding("parallel.offload_modules", mods, f"parallel.offload_modules={mods}: Megatron's per-module "
+                           "activation offload is not implemented by the bundled job; what it offloads is the input "
+                           "each layer keeps under whole-layer recompute (parallel.cpu_offloading)")
     return ctx.ok("parallel.offload_modules", mods)
 
 
