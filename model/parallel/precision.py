@@ -43,9 +43,10 @@ Recipe names (``precision.fp8_recipe``) -> torchao recipes: ``delayed`` runs as 
 blocks); ``mxfp8`` is refused (SM100 and torchao's MX formats; V4-FP8-SM refuses it on Hopper).
 :func:`describe_precision` prints the recipe actually run.
 
-Parameters: the job keeps every parameter in float32 (bf16 compute comes from autocast), so the
-FP32-pinned ones (``ape``, ``attn_sink``, ``hc_*``, router bias) have the dtype of all others and
-``precision.keep_fp32_params`` true or false gives the same model.
+Parameters: float32 by default (bf16 compute comes from autocast); ``precision.params_dtype: bf16`` stores the
+GEMM weight matrices FSDP does not shard in bf16 (``storage.py``, validators/storage_policy.py) and never the
+FP32-pinned ones (``ape``, ``attn_sink``, ``hc_*``, router bias), so ``precision.keep_fp32_params`` true or false
+gives the same model.
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ def _gib(n: int) -> str:
                            "curriculum.stages.*.cp", "parallel.pp", "parallel.ep", "parallel.distributed_optimizer",
                            "parallel.micro_batch_size", "parallel.global_batch_size", "parallel.recompute_modules",
                            "parallel.recompute_granularity", "parallel.pp_layout", "precision.keep_fp32_params",
+                           "precision.params_dtype", "precision.store_param_remainders", "precision.exp_avg_dtype",
+                           "precision.exp_avg_sq_dtype", "parallel.cpu_offloading",
                            "curriculum.stages.*.global_batch_size"),
       fix="more context parallelism for the stage, more pp or ep, the distributed optimizer, selective or "
-          "whole-layer recompute, or more nodes (the rule proposes the edits)")
+          "whole-layer recompute, bf16 storage (precision.params_dtype), host offload (parallel.cpu_offloading), "
+          "or more nodes (the rule proposes the edits)")
 def check_memory(ctx: Context):
     """The per-rank memory plan of a stage (parameters, gradients, optimizer, activations, CP buffers, loss, headroom) fits the GPU.
 
