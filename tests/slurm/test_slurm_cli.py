@@ -178,3 +178,18 @@ def test_status_loss_cell_names_its_step_when_it_is_not_the_rows():
     assert _loss_cell(4.11372, 19, 10) == "4.114 (step 10)"
     assert _loss_cell(4.11372, 10, 10) == "4.114"
     assert _loss_cell(None, 19, 10) == "-" and _loss_cell(2.5, 3, None) == "2.500"
+
+
+def test_the_promised_first_commands_validate_flash_4n_then_submit_it_on_4_nodes(ws):
+    """README's `v4launch validate recipes/flash_4n.yaml` then `v4launch submit --nodes 4` (the workspace's
+    recipe): V4-Flash on 4 x 8 H200 passes the contract, and the dry run renders its 4-node job."""
+    flash_4n = str(REPO / "recipes" / "flash_4n.yaml")
+    out = cli("validate", flash_4n, cwd=ws)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "V4-MEMORY" in out.stdout and "fail " not in out.stdout
+    out = cli("submit", "--nodes", "4", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert f"recipe: {flash_4n}" in " ".join(out.stderr.split())
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8"):
+        assert line in out.stdout.splitlines(), line
+    assert not (ws / "runs").exists()
