@@ -45,10 +45,11 @@ def whole_recipe_fit(recipe: Recipe, contract: Contract) -> Proposal | None:
     if len(_CACHE) > 8:
         _CACHE.clear()
     found = None
+    layouts: dict[int, str | None] = {}  # balanced layout per pp·vpp: the same at every node count and storage
     for nodes in _node_counts(recipe.cluster.nodes):
         for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # the lightest storage that fits
             for pp in _pp_candidates(recipe, nodes):
-                found = _whole_fit_at(recipe, nodes, pp, extra, contract)
+                found = _whole_fit_at(recipe, nodes, pp, extra, contract, layouts)
                 if found is not None:
                     break
             if found is not None:
@@ -74,7 +75,8 @@ def _pp_candidates(recipe: Recipe, nodes: int) -> list[int]:
     return [pp for pp in out if world % (p.tp * pp) == 0 and pp * (p.vpp if pp > 1 else 1) <= m.n_layers]
 
 
-def _whole_fit_at(recipe: Recipe, nodes: int, pp: int, extra: dict[str, Any], contract: Contract) -> Proposal | None:
+def _whole_fit_at(recipe: Recipe, nodes: int, pp: int, extra: dict[str, Any], contract: Contract,
+                  layouts: dict[int, str | None]) -> Proposal | None:
     p, c, m = recipe.parallel, recipe.cluster, recipe.model
     shard = nodes * c.gpus_per_node // (p.tp * pp)
     vpp = p.vpp if pp > 1 else 1
@@ -84,9 +86,12 @@ def _whole_fit_at(recipe: Recipe, nodes: int, pp: int, extra: dict[str, Any], co
     if pp * vpp == 1:
         edits["parallel.pp_layout"] = None
     elif pp != p.pp or vpp != p.vpp:
-        st = recipe.curriculum.stages[0]
-        layout = propose_layout(unit_costs(m, st.seq_len, st.phase, recipe.attention.indexer_loss_coeff > 0),
-                                pp * vpp, m.moe.n_hash_layers)
+        if pp * vpp not in layouts:
+            st = recipe.curriculum.stages[0]
+            layouts[pp * vpp] = propose_layout(unit_costs(m, st.seq_len, st.phase,
+                                                          recipe.attention.indexer_loss_coeff > 0),
+                                               pp * vpp, m.moe.n_hash_layers)
+        layout = layouts[pp * vpp]
         if layout is None:
             return None
         edits["parallel.pp_layout"] = layout

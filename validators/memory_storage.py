@@ -10,6 +10,7 @@ one, AdamW two). Dense parameters are sharded over the FSDP ranks, the routed ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import ceil
 
 from .param_count import ParamSpec
@@ -37,10 +38,17 @@ def _matrix(sp: ParamSpec) -> bool:
 
 def stored_low(recipe: Recipe, sp: ParamSpec) -> bool:
     """``precision.params_dtype: bf16`` stores ``sp`` in bf16 (FSDP shards all but the routed experts under EP)."""
+    if recipe.precision.params_dtype != "bf16":
+        return False
     p = recipe.parallel
-    sharded = p.distributed_optimizer and not (sp.routed and p.ep > 1)
-    return recipe.precision.params_dtype == "bf16" and stores_low_precision(sp.name, 2 if _matrix(sp) else 1,
-                                                                            fsdp_sharded=sharded)
+    return _low(sp, p.distributed_optimizer and not (sp.routed and p.ep > 1))
+
+
+@lru_cache(maxsize=1 << 14)
+def _low(sp: ParamSpec, sharded: bool) -> bool:
+    """:func:`stores_low_precision` of one spec (cached: a validate run plans the same specs thousands of times
+    while it searches fixes)."""
+    return stores_low_precision(sp.name, 2 if _matrix(sp) else 1, fsdp_sharded=sharded)
 
 
 def training_state(recipe: Recipe, rank_params: list[ParamSpec], shard: int) -> TrainingState:

@@ -36,11 +36,13 @@ def check_host_memory(ctx: Context):
 
     Source: validators/memory_plan.py (MemoryPlan.host_offload_bytes); HOST_BYTES_PER_RANK.
     """
+    c = ctx.recipe.cluster
+    if c.host_memory_gib is None and not ctx.parallel.cpu_offloading:
+        return ctx.na("no host offload and cluster.host_memory_gib unset")
     try:
         plan = memory_plan(ctx.recipe, ctx.index)
     except PlanUnavailable as exc:
         return ctx.na(f"no memory plan: {exc}")
-    c = ctx.recipe.cluster
     need = c.gpus_per_node * (plan.host_offload_bytes + HOST_BYTES_PER_RANK)
     what = (f"{need / GIB:.0f} GiB per node: {c.gpus_per_node} ranks x ({plan.host_offload_bytes / GIB:.1f} GiB "
             f"offloaded + {HOST_BYTES_PER_RANK / GIB:.0f} GiB per process)")
