@@ -429,3 +429,14 @@ def test_nothing_fits_here_names_the_stage_that_forces_more_nodes():
     assert code == 1 and exc is None
     text = " ".join(text.split())  # one line however the console wrapped it
     assert f"nothing fits on the recipe's 16 node(s), 32 is the fewest: stage {name} needs {gib:.1f} GiB per GPU" in text
+
+
+@pytest.mark.parametrize("row", STORAGE_CALIBRATION["host_rows"], ids=lambda r: f"host-L{r['L']}-T{r['T']}")
+def test_planned_host_memory_is_what_the_offload_held_on_an_h200(row):
+    """The plan's pinned host bytes per GPU (``MemoryPlan.host_offload_bytes``) against the peak the offload held
+    (``OffloadStats.peak_host_bytes``, benchmarks/offload_step.py on one H200): every layer input, the first
+    layer's fp32, exactly."""
+    from v4launch.validators.memory_fixes import with_edits
+
+    recipe = with_edits(_measured_recipe(row), {"parallel.cpu_offloading": True})
+    assert memory_plan(recipe, 0).host_offload_bytes == row["host_peak"]
