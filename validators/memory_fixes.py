@@ -42,6 +42,11 @@ BF16_STORAGE = {"precision.params_dtype": "bf16", "precision.store_param_remaind
 gradients, bf16 optimizer moments (validators/storage_policy.py): 8 B per such parameter instead of 12."""
 OFFLOAD = {"parallel.cpu_offloading": True, **FULL_RECOMPUTE}
 """Whole-layer recompute with the layer inputs in pinned host memory between forward and backward."""
+STORAGE_STEPS = ({"parallel.cpu_offloading": False}, {**BF16_STORAGE, "parallel.cpu_offloading": False},
+                 {**BF16_STORAGE, **OFFLOAD})
+"""What a search adds on top of its layout edits, lightest first: the recipe's storage without host offload (offload
+costs host memory and copies: a recipe whose host memory is the limit must be able to drop it), bf16 storage, then
+bf16 storage with offload."""
 Contract = Callable[[Recipe], list[str]]
 """The ids of the error rules a candidate recipe fails, V4-MEMORY left out (``rules/contract.py``)."""
 
@@ -182,7 +187,7 @@ def _combined(recipe: Recipe, index: int) -> dict[str, Any] | None:
     for edits in _single_changes(recipe, index):  # later (larger) cp and ep win
         if "parallel.pp" not in edits:
             merged.update(edits)
-    for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # storage and offload only where needed
+    for extra in STORAGE_STEPS:  # storage and offload only where needed
         edits = changed_edits(recipe, {**merged, **extra})
         if edits and stage_fits(recipe, index, edits):
             return edits
@@ -249,7 +254,7 @@ def _recompute_changes(recipe: Recipe) -> list[dict[str, Any]]:
 
 
 def _storage_changes(recipe: Recipe) -> list[dict[str, Any]]:
-    """Precision-aware storage, then storage with whole-layer recompute and host offload (what the recipe lacks)."""
-    storage = changed_edits(recipe, BF16_STORAGE)
-    offload = changed_edits(recipe, {**BF16_STORAGE, **OFFLOAD})
-    return [e for e in (storage, offload) if e] if storage != offload else ([storage] if storage else [])
+    """``STORAGE_STEPS`` as single changes (what the recipe lacks): host offload off, bf16 storage, bf16 storage with
+    whole-layer recompute and host offload."""
+    out = [changed_edits(recipe, extra) for extra in STORAGE_STEPS]
+    return [e for i, e in enumerate(out) if e and e not in out[:i]]

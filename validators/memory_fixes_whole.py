@@ -14,9 +14,10 @@ from math import gcd
 from typing import Any
 
 from .cost_model import propose_layout, unit_costs
-from .memory_fixes import (BF16_STORAGE, FULL_RECOMPUTE, OFFLOAD, Contract, Proposal, changed_edits, cp_ok, divisors,
-                           graph_compatible, stage_fits, with_edits)
+from .memory_fixes import (BF16_STORAGE, FULL_RECOMPUTE, OFFLOAD, STORAGE_STEPS, Contract, Proposal, changed_edits,
+                           cp_ok, divisors, graph_compatible, stage_fits, with_edits)
 from .memory_plan import PlanUnavailable, memory_plan
+from .memory_storage import host_bytes_per_node
 from .schema.recipe import Recipe
 
 MAX_NODE_SCALE = 64
@@ -47,7 +48,7 @@ def whole_recipe_fit(recipe: Recipe, contract: Contract) -> Proposal | None:
     found = None
     layouts: dict[int, str | None] = {}  # balanced layout per pp·vpp: the same at every node count and storage
     for nodes in _node_counts(recipe.cluster.nodes):
-        for extra in ({}, BF16_STORAGE, {**BF16_STORAGE, **OFFLOAD}):  # the lightest storage that fits
+        for extra in STORAGE_STEPS:  # the lightest storage that fits
             for pp in _pp_candidates(recipe, nodes):
                 found = _whole_fit_at(recipe, nodes, pp, extra, contract, layouts)
                 if found is not None:
@@ -156,11 +157,13 @@ def _smallest_fitting_cp(recipe: Recipe, index: int, edits: dict[str, Any], opti
     return options[lo]
 
 
-def forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
-    """The stage that keeps the recipe off its own nodes: (name, GiB per GPU, pp) of the stage that needs the most
-    under every lever there (bf16 storage with offload, whole-layer recompute, FSDP, the largest ep, the stage's
-    largest cp), at the pipeline size where that stage needs the least; None when the plan cannot say (a layout
-    or stage it cannot plan). What `V4-MEMORY` names when nothing fits on the recipe's nodes."""
+def forcing_stage(recipe: Recipe) -> tuple[str, float, int, float] | None:
+    """The stage that keeps the recipe off its own nodes: (name, GiB per GPU, pp, host GiB per node) of the stage
+    that needs the most GPU memory under every lever there (bf16 storage with offload, whole-layer recompute,
+    FSDP, the largest ep, the stage's largest cp), at the pipeline size where that stage needs the least, and the
+    host memory a node needs for it (``memory_plan.host_bytes_per_node``: when the GPU figure fits, host memory
+    is the limit); None when the plan cannot say (a layout or stage it cannot plan). What `V4-MEMORY` names when
+    nothing fits on the recipe's nodes."""
     hit = _FORCING_CACHE.get(id(recipe))
     if hit is not None and hit[0] is recipe:  # every failing stage of one validate run names the same stage
         return hit[1]
@@ -171,12 +174,12 @@ def forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
     return found
 
 
-_FORCING_CACHE: dict[int, tuple[Recipe, "tuple[str, float, int] | None"]] = {}
+_FORCING_CACHE: dict[int, tuple[Recipe, "tuple[str, float, int, float] | None"]] = {}
 
 
-def _forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
+def _forcing_stage(recipe: Recipe) -> tuple[str, float, int, float] | None:
     p, c, m = recipe.parallel, recipe.cluster, recipe.model
-    best: tuple[str, float, int] | None = None
+    best: tuple[str, float, int, float] | None = None
     for pp in _pp_candidates(recipe, c.nodes):
         shard = c.nodes * c.gpus_per_node // (p.tp * pp)
         edits: dict[str, Any] = {"parallel.pp": pp, "parallel.ep": max(divisors(gcd(m.moe.n_routed_experts, shard))),
@@ -193,8 +196,8 @@ def _forcing_stage(recipe: Recipe) -> tuple[str, float, int] | None:
                 plan = memory_plan(with_edits(recipe, {**edits, f"curriculum.stages.{i}.cp": cps[-1]}), i)
             except (PlanUnavailable, ValueError, ZeroDivisionError, IndexError):
                 return None
-            if worst is None or plan.total_bytes > worst[1]:
-                worst = (st.name, plan.total_bytes / 2**30, pp)
+            if worst is None or plan.total_bytes / 2**30 > worst[1]:
+                worst = (st.name, plan.total_bytes / 2**30, pp, host_bytes_per_node(recipe, plan) / 2**30)
         if worst is not None and (best is None or worst[1] < best[1]):
             best = worst
     return best

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 from math import ceil
 
 from .param_count import ParamSpec
@@ -80,3 +81,15 @@ def training_state(recipe: Recipe, rank_params: list[ParamSpec], shard: int) -> 
         param_note=f"{gib(n['dense'])} dense{sharded_note} + {gib(n['routed'] / p.ep)} experts (E/ep)"
                    + (f"; {gib(n['low'])} in bf16" if n["low"] else ""),
         optimizer_note=f"Muon momentum {gib(n['muon'])}, AdamW moments {gib(n['adamw'])}{master_note}")
+
+
+HOST_BYTES_PER_RANK = 16 << 30
+"""Host memory one training process holds besides offloaded activations: the CUDA context's host side, torch and
+Triton, NCCL's host buffers, the data loader and its token windows. A stated allowance, not a measurement of
+Flash-width runs (docs/memory-plan.md, the "host: offloaded inputs" term)."""
+
+
+def host_bytes_per_node(recipe: Recipe, plan: Any) -> int:
+    """Host memory a node's ranks need in ``plan``'s stage: ``gpus_per_node × (offloaded inputs + the per-process
+    allowance)`` (bytes; what V4-HOST-MEMORY checks against ``cluster.host_memory_gib``)."""
+    return recipe.cluster.gpus_per_node * (plan.host_offload_bytes + HOST_BYTES_PER_RANK)

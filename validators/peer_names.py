@@ -62,6 +62,15 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
     "save_interval": (MEGATRON, "checkpointing.interval_steps"),
     "log_interval": (MEGATRON, "logging.interval_steps"),
     "eval_interval": (MEGATRON, "logging.eval_interval_steps"),
+    # precision-aware optimizer and offload (Megatron's DistributedOptimizer / TransformerConfig names)
+    "use_precision_aware_optimizer": (MEGATRON, "precision.params_dtype, precision.exp_avg_dtype and "
+                                                "precision.exp_avg_sq_dtype (each bf16)"),
+    "main_grads_dtype": (MEGATRON, "precision.params_dtype (gradients follow the weights' storage: bf16 for bf16 "
+                                   "weights, reduced in fp32)"),
+    "main_params_dtype": (MEGATRON, "precision.store_param_remainders (the master is always exact fp32: 16-bit "
+                                    "remainders or a copy)"),
+    "cpu_offloading_num_layers": (MEGATRON, "parallel.cpu_offloading (every recomputed layer of a stage)"),
+    "cpu_offloading_activations": (MEGATRON, "parallel.cpu_offloading"),
     # Hugging Face config.json (DeepSeek-V3 / V4 releases)
     "num_hidden_layers": (HF, "model.n_layers"),
     "num_experts_per_tok": (HF, "model.moe.n_activated_experts"),

@@ -414,7 +414,7 @@ def test_nothing_fits_here_names_the_stage_that_forces_more_nodes():
     from v4launch.validators.memory_fixes_whole import forcing_stage
 
     recipe = load_recipe(RECIPES / "pro_16n.yaml").recipe
-    name, gib, pp = forcing_stage(recipe)
+    name, gib, pp, _ = forcing_stage(recipe)
     index = next(i for i, st in enumerate(recipe.curriculum.stages) if st.name == name)
     world = recipe.cluster.world_size // pp
     cp = max(c for c in range(1, world + 1) if world % c == 0 and recipe.curriculum.stages[index].seq_len % c == 0)

@@ -285,6 +285,10 @@ def test_vpp_without_pp_and_too_few_micro_batches_fail(tmp_path: Path):
     ("model.moe.num_experts_per_tok=2", "num_experts_per_tok is the Hugging Face config's name; here it is model.moe.n_activated_experts"),
     ("model.moe.moe_router_bias_update_rate=1e-3", "Megatron's name; here it is model.moe.bias_update_speed"),
     ("curriculum.stages.2.seq_length=4096", "seq_length is Megatron's name; here it is curriculum.stages.2.seq_len"),
+    ("precision.main_grads_dtype=bf16", "main_grads_dtype is Megatron's name; here it is precision.params_dtype"),
+    ("precision.use_precision_aware_optimizer=true", "Megatron's name; here it is precision.params_dtype, "
+                                                     "precision.exp_avg_dtype and precision.exp_avg_sq_dtype"),
+    ("parallel.cpu_offloading_num_layers=40", "Megatron's name; here it is parallel.cpu_offloading"),
     ("parallel.tensor_parallel_degree=1", "torchtitan's name; here it is parallel.tp"),
     ("model.moe.route_scale=1.5", None),
 ])

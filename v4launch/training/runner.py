@@ -245,10 +245,27 @@ class Runner:
             self.metrics.event(p.step, "recompute", f"recompute {', '.join(self.dims.recompute)}: "
                                f"{len(self.pm.recomputed)} regions re-run in backward"
                                + (f", replaying {'; '.join(replays)}" if replays else ""), regions=len(self.pm.recomputed))
+        self._announce_storage(p.step)
         if self.pm.compiled:
             self.metrics.event(p.step, "compile", f"torch.compile ({self.dims.compile_backend}): {self.pm.compiled} "
                                "blocks, compiled at their first forward (again after a phase or kernel change)",
                                blocks=self.pm.compiled, backend=self.dims.compile_backend)
+
+    def _announce_storage(self, step: int) -> None:
+        """The ``storage`` and ``offload`` events: which weights are bf16 over which master, the moments' dtypes,
+        and which layers' inputs go to host memory (and that a CPU run keeps them where they are)."""
+        pr = self.recipe.precision
+        if self.pm.low_precision or pr.exp_avg_dtype != "fp32" or pr.exp_avg_sq_dtype != "fp32":
+            master = "16-bit remainders" if pr.store_param_remainders else "an fp32 copy"
+            self.metrics.event(step, "storage", f"storage: {len(self.pm.low_precision)} GEMM weights in bf16 over an "
+                               f"exact fp32 master kept as {master}, bf16 gradients; moments exp_avg "
+                               f"{pr.exp_avg_dtype}, exp_avg_sq {pr.exp_avg_sq_dtype}",
+                               bf16_weights=len(self.pm.low_precision))
+        if self.pm.offloaded:
+            where = ("to pinned host memory, prefetched ahead of backward" if self.info.device.type == "cuda"
+                     else "nowhere: on the CPU the inputs already are in host memory, so they stay where they are")
+            self.metrics.event(step, "offload", f"activation offload: the inputs of {len(self.pm.offloaded)} "
+                               f"recomputed layers go {where}", layers=len(self.pm.offloaded))
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Phase change (if the stage needs one), the stage's rank layout, stage seed at its start, its data loader."""

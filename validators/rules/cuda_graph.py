@@ -35,10 +35,12 @@ def _unsupported_setting(ctx: Context):
     if r.cluster.gpu == "cpu":
         return ctx.finding("cluster.gpu", "cpu", "compile.cuda_graph=true on cluster.gpu=cpu: CUDA graphs need a GPU",
                            "set compile.cuda_graph=false for a CPU run")
-    if r.parallel.cpu_offloading:
+    if r.parallel.cpu_offloading:  # each alternative whole: offload also needs whole-layer recompute (V4-OFFLOAD-RECOMPUTE)
+        full = "" if r.parallel.recompute_granularity == "full" else \
+            " parallel.recompute_granularity=full parallel.recompute_modules=[]"
         return ctx.finding("parallel.cpu_offloading", True, "compile.cuda_graph=true with parallel.cpu_offloading="
                            "true: the host copies and their events cannot be captured in a graph",
-                           "set compile.cuda_graph=false, or parallel.cpu_offloading=false")
+                           f"set parallel.cpu_offloading=false, or compile.cuda_graph=false{full}")
     if r.precision.dtype != "bf16":
         return ctx.finding("precision.dtype", r.precision.dtype, f"compile.cuda_graph=true with precision.dtype="
                            f"{r.precision.dtype}: the routed experts then run one matmul per expert, whose row "

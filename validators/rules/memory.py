@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..memory_fixes import fit_proposals
 from ..memory_fixes_whole import forcing_stage, whole_recipe_fit
-from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, memory_plan
+from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, budget_bytes, memory_plan
 from .base import Context, rule
 from .contract import contract_failures
 
@@ -70,10 +70,15 @@ def _fix_text(ctx: Context, budget: int) -> str:
 
 
 def _forcing(recipe) -> str:
-    """``: stage X needs N GiB there …`` naming the stage that keeps the recipe off its nodes, or ""."""
+    """``: stage X needs N GiB there …`` naming the stage that keeps the recipe off its nodes and the limit it meets
+    (GPU memory, or the node's host memory when the GPU figure fits), or ""."""
     found = forcing_stage(recipe)
     if found is None:
         return ""
-    name, gib, pp = found
-    return (f": stage {name} needs {gib:.1f} GiB per GPU there even with bf16 storage, host offload, whole-layer "
-            f"recompute, FSDP, the largest ep and its largest cp (pp {pp})")
+    name, gib, pp, host = found
+    levers = "bf16 storage, host offload, whole-layer recompute, FSDP, the largest ep and its largest cp"
+    budget, host_budget = budget_bytes(recipe), recipe.cluster.host_memory_gib
+    if budget is not None and gib * GIB <= budget and host_budget is not None and host > host_budget:
+        return (f": stage {name} fits the GPU there only with host offload ({levers}; pp {pp}: {gib:.1f} GiB per "
+                f"GPU), which needs {host:.0f} GiB of host memory per node > cluster.host_memory_gib = {host_budget:g}")
+    return f": stage {name} needs {gib:.1f} GiB per GPU there even with {levers} (pp {pp})"

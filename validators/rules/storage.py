@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from ..memory_plan import GIB, PlanUnavailable, memory_plan
+from ..memory_storage import HOST_BYTES_PER_RANK, host_bytes_per_node
 from .base import Context, rule
-
-HOST_BYTES_PER_RANK = 16 * GIB
-"""Host memory one training process holds besides offloaded activations: the CUDA context's host side, torch and
-Triton, NCCL's host buffers, the data loader and its token windows. A stated allowance, not a measurement of
-Flash-width runs (docs/memory-plan.md "Host memory")."""
 
 
 @rule("V4-OFFLOAD-RECOMPUTE", fields=("parallel.cpu_offloading", "parallel.recompute_granularity"), scope="recipe",
@@ -22,9 +18,12 @@ def check_offload_recompute(ctx: Context):
     if not p.cpu_offloading:
         return ctx.na("parallel.cpu_offloading=false")
     if p.recompute_granularity != "full":
+        graph = " compile.cuda_graph=false" if ctx.recipe.compile.cuda_graph else ""  # whole: V4-CUDA-GRAPH too
         return ctx.finding("parallel.cpu_offloading", True, "parallel.cpu_offloading=true with "
                            f"recompute_granularity={p.recompute_granularity}: only whole-layer recompute leaves each "
-                           "layer with one input to move to host memory")
+                           "layer with one input to move to host memory",
+                           f"set parallel.recompute_granularity=full parallel.recompute_modules=[]{graph}, or "
+                           "parallel.cpu_offloading=false")
     return ctx.ok("parallel.cpu_offloading", True, "layer inputs in pinned host memory between forward and backward")
 
 
@@ -43,11 +42,11 @@ def check_host_memory(ctx: Context):
         plan = memory_plan(ctx.recipe, ctx.index)
     except PlanUnavailable as exc:
         return ctx.na(f"no memory plan: {exc}")
-    need = c.gpus_per_node * (plan.host_offload_bytes + HOST_BYTES_PER_RANK)
+    need = host_bytes_per_node(ctx.recipe, plan)
     what = (f"{need / GIB:.0f} GiB per node: {c.gpus_per_node} ranks x ({plan.host_offload_bytes / GIB:.1f} GiB "
             f"offloaded + {HOST_BYTES_PER_RANK / GIB:.0f} GiB per process)")
     if c.host_memory_gib is None:
-        return ctx.ok("cluster.host_memory_gib", None, f"{what}; not checked (cluster.host_memory_gib unset)")
+        return ctx.na(f"{what}; not checked (cluster.host_memory_gib unset)")
     if need > c.host_memory_gib * GIB:
         return ctx.finding("cluster.host_memory_gib", c.host_memory_gib,
                            f"stage {ctx.stage.name} needs {what} > {c.host_memory_gib:g} GiB")
