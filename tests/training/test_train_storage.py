@@ -118,3 +118,18 @@ def test_an_ep2_storage_checkpoint_reshards_to_one_rank(new_run):
     assert code == 0, text
     recs = train_records(run)
     assert sorted(recs) == list(range(1, 9)) and all(recs[s]["dp"] == 1 for s in range(6, 9))
+
+
+@pytest.mark.parametrize("field, value", [("precision.params_dtype", "bf16"), ("precision.exp_avg_dtype", "fp32"),
+                                          ("precision.store_param_remainders", "false")])
+def test_a_resume_keeps_the_storage_whatever_the_flags(new_run, field, value):
+    """A checkpoint's weights and optimizer state are laid out by the storage fields (a bf16 weight's master lives in
+    its optimizer state): changing one at resume is refused by name, and no flag lifts it."""
+    from test_train_crash_and_cli import _cli
+
+    run = new_run(_with(STORAGE, {"precision": {"params_dtype": "fp32"}}) if field == "precision.params_dtype"
+                  else STORAGE)
+    assert train(run, max_steps=2, progress=False).step == 2
+    code, text = _cli("resume", str(run), f"{field}={value}", "--allow-optimizer-regroup", "--dry-run")
+    text = " ".join(text.split())
+    assert code == 1 and f"{field}:" in text and "no flag allows this" in text, text

@@ -290,16 +290,17 @@ def refusal(plan: ResumePlan) -> RefusedError:
 # ---------------------------------------------------------------- field by field
 _DECIDED_BY: tuple[tuple[tuple[str, ...], str], ...] = (
     (("model.n_layers", "model.compress_ratios", "model.mtp.depth"), "layer schedule"),
-    (("optimizer.name", "precision.keep_fp32_params", "precision.policy.", "precision.params_dtype"),
-     "optimizer groups"),
+    (("optimizer.name", "precision.keep_fp32_params", "precision.policy."), "optimizer groups"),
     (("data.tokenizer",), "tokenizer"),
     (("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.ep",
       "parallel.pp_layout", "parallel.cp"), "parallel."),
 )
 """Fields whose verdict is the verdict of an aspect ``check_resume`` already decided."""
 
-STORAGE_FIELDS = ("precision.store_param_remainders", "precision.exp_avg_dtype", "precision.exp_avg_sq_dtype")
-"""Optimizer-state storage fields: the state a checkpoint holds is laid out by them, so a resume keeps them."""
+STORAGE_FIELDS = ("precision.params_dtype", "precision.store_param_remainders", "precision.exp_avg_dtype",
+                  "precision.exp_avg_sq_dtype")
+"""Storage fields: the weights and optimizer state a checkpoint holds are laid out by them (a bf16 weight's master
+lives in its optimizer state), so a resume keeps them."""
 
 _RANK = {"refused": 3, "reshard": 2, "applied": 1, "safe": 0}
 
