@@ -33,6 +33,8 @@ EXAMPLES = """Examples:
   v4launch validate recipes/flash_4n.yaml parallel.cp=8 --json
 
   v4launch validate curriculum.stages.5.cp=16        # the workspace's recipe, one override
+
+  v4launch validate recipes/flash_4n.yaml cluster.nodes=8 --write flash_8x8.yaml   # the fixed recipe, to a file
 """
 
 RecipeArg = Annotated[
@@ -43,12 +45,25 @@ RecipeArg = Annotated[
 STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "n/a": "dim"}
 
 
-def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False) -> None:
+WriteOpt = Annotated[Optional[Path], typer.Option(
+    "--write", metavar="NEW.yaml", show_default=False,
+    help="Also write the recipe with these overrides to NEW.yaml: it extends RECIPE and sets exactly the overridden "
+         "fields (naming RECIPE itself edits it in place, comments kept). Written when the overrides load, whatever "
+         "the verdict, which is said.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="With --write: replace an existing file.")]
+
+
+def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False,
+             write: WriteOpt = None, force: ForceOpt = False) -> None:
     """Validate RECIPE (with dotlist overrides) and print the contract report."""
     from ..recipe_loading import load_recipe
     from ..validators import validate_recipe
 
     path, extra = split_recipe_arg(recipe, list(overrides or []), "validate")
+    if write is not None:  # before the report: a refused target must not read as the report's verdict
+        from ..recipe_write import check_target
+
+        check_target(write.absolute(), force)
     workspace = Workspace.current()
     if path is None:
         path = str(workspace.default_recipe())
@@ -59,10 +74,13 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         if as_json:
             OUT.json({"ok": False, "error": err.message, "hint": err.hint})
         raise
-    workspace.remember(recipe=str(loaded.path))
+    workspace.remember_recipe(str(loaded.path), extra)
     for line in loaded.repeated_overrides():
         OUT.note(f"warning: {line}")  # the word run, submit and resume use for it
     report = validate_recipe(loaded)
+    workspace.remember_recipe(str(loaded.path), extra, passed=report.ok)  # `submit` with no recipe reuses both
+    if write is not None:
+        _write(loaded, write, force, report.ok)
     try:
         if as_json:
             OUT.json(report.to_dict())
@@ -73,6 +91,20 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         reader_left()
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _write(loaded: Any, target: Path, force: bool, ok: bool) -> None:
+    """``--write``: the recipe with the overrides to ``target``, and one line saying what it holds and its verdict."""
+    from ..recipe_loading import display_path
+    from ..recipe_write import write_overrides
+
+    written = write_overrides(loaded, target, force=force)
+    shown = display_path(written.path)
+    what = (f"extends {written.extends}" if written.extends else "edited in place") + \
+        f", {len(written.changes)} changed field{'s' * (len(written.changes) != 1)}"
+    verdict = (f"it passes the contract: `v4launch submit {shown} --dry-run`" if ok else
+               f"it fails the contract (report below): edit it, then `v4launch validate {shown}`")
+    OUT.note(f"wrote {shown} ({what}); {verdict}")
 
 
 def human_bytes(n: int | None) -> str:
