@@ -3,17 +3,20 @@
 A workspace is the nearest directory, from the current one upwards, holding a
 ``.v4launch/`` folder; if there is none, the current directory becomes one on the
 first command that records state. ``.v4launch/state.json`` remembers the recipe last
-validated or run, so ``v4launch submit --nodes 4`` and ``v4launch resume --phase
-sparse`` work without naming the recipe or the run; the CLI always says which one
-it picked.
+validated or run, with the overrides it was given, so ``v4launch validate flash_4n
+cluster.nodes=8`` then ``v4launch submit --dry-run`` submits that same recipe, and
+``v4launch resume --phase sparse`` works without naming the run; the CLI always says
+which one it picked.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import UsageError
 
@@ -48,7 +51,7 @@ class Workspace:
         except (OSError, ValueError):
             return {}
 
-    def remember(self, **values: str) -> None:
+    def remember(self, **values: Any) -> None:
         """Record values (e.g. ``recipe=...``) atomically in state.json."""
         state = self.state()
         state.update(values)
@@ -56,6 +59,22 @@ class Workspace:
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
         os.replace(tmp, self.state_path)
+
+    def remember_recipe(self, recipe: str, overrides: Sequence[str] = (), passed: bool | None = None) -> None:
+        """Record ``recipe`` and the dotlist ``overrides`` it was last validated or run with (``passed``: whether
+        that validation passed the contract; None when not validated). Other overrides of any recipe are forgotten."""
+        self.remember(recipe=recipe, overrides={"recipe": recipe, "values": list(overrides), "passed": passed})
+
+    def default_overrides(self) -> tuple[list[str], bool | None]:
+        """(the overrides recorded with the workspace's recipe, whether they passed ``validate``); ([], None) when
+        none were recorded with it (an older state file, or the recipe was recorded without overrides)."""
+        state = self.state()
+        kept = state.get("overrides")
+        if not isinstance(kept, dict) or kept.get("recipe") != state.get("recipe"):
+            return [], None
+        values = kept.get("values")
+        good = isinstance(values, list) and all(isinstance(v, str) for v in values)
+        return (list(values), kept.get("passed")) if good else ([], None)
 
     def default_recipe(self) -> Path:
         """The recipe last validated or run here.

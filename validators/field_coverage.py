@@ -152,7 +152,7 @@ COVERAGE: dict[str, Coverage] = {
     "checkpointing.keep_last": Honoured("v4launch.training.runner:Runner.save"),
     "logging.interval_steps": Honoured("v4launch.training.runner:Runner._one_step"),
     "logging.tensorboard": Honoured("v4launch.training.job:_train"),
-    "logging.eval_interval_steps": Refused("V4-UNIMPL-EVAL-INTERVAL", "logging.eval_interval_steps=100"),
+    "logging.eval_interval_steps": Honoured("v4launch.training.runner:Runner.run_stage"),
     "run.output_root": Honoured("v4launch.rundir:create_run_dir"),
     "run.seed": Honoured(RUNNER_INIT),
     "run.deterministic": Honoured(RUNNER_INIT),

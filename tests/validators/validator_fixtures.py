@@ -98,7 +98,6 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     # refusals of what the job does not implement (rules/unimplemented.py); the twin is the base (default value)
     "V4-UNIMPL-OFFLOAD": (["parallel.offload_modules=[core_attn]"], []),
     "V4-UNIMPL-INDEXER-QAT": (["attention.indexer_qat=true"], []),
-    "V4-UNIMPL-EVAL-INTERVAL": (["logging.eval_interval_steps=100"], []),
     "V4-UNIMPL-BSHD": (["parallel.qkv_format=bshd", "curriculum.stages.3.cp=1"], []),
     # the base spreads a replica over pp 2, ep 2 and the distributed optimizer; the twin is one GPU per replica
     "V4-CUDA-GRAPH": (["compile.cuda_graph=true"], ONE_GPU_GRAPH),

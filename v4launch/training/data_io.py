@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from ..model.packing import check_ids
+from ..validators.eval_cost import EVAL_MICRO_BATCHES
 from ..workspace import Workspace
 from .dist import DistInfo, Layout
 
@@ -135,8 +136,9 @@ def micro_batches(it: Iterator[Any], plan: Any, device: torch.device, layout: La
 
 
 def eval_batches(dataset: Any, recipe: Any, plan: Any, layout: Layout, device: torch.device, boundary: int,
-                 max_batches: int = 8) -> list[Any]:
-    """This rank's share of the first ``max_batches`` held-out micro-batches of one pass (dataset order).
+                 max_batches: int = EVAL_MICRO_BATCHES) -> list[Any]:
+    """This rank's share of the first ``max_batches`` held-out micro-batches of one pass (dataset order): the
+    same documents at every call, whatever the training data read so far (``validators/eval_cost.py``: the cost).
 
     The count is global: each rank takes ``ceil(max_batches / dp)`` (the loader deals rows round-robin
     over the dp replicas), so the held-out loss is over the same documents whatever the layout (exactly

@@ -5,7 +5,8 @@ metrics.jsonl (rank 0) holds one JSON object per line:
 * ``{"kind": "train", "stage", "stage_index", "phase", "step", "tokens", "lr", "muon_lr",
   "lm_loss", "aux": {name: raw}, "aux_sum": {kind: raw sum}, "aux_weighted": {kind: coeff · sum},
   "loss_weights": {kind: coeff}, "total_loss", "grad_norm", "tokens_per_s", "elapsed_s"}``
-* ``{"kind": "eval", "stage", "stage_index", "phase", "step", "lm_loss"}`` at every stage end
+* ``{"kind": "eval", "at", "stage", "stage_index", "phase", "step", "step_in_stage", "lm_loss"}`` at every
+  stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``)
 * ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
 
 TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …).
@@ -121,7 +122,8 @@ class MetricsLogger:
     def eval(self, rec: dict[str, Any]) -> None:
         """Record a held-out evaluation."""
         self._write(rec)
-        self._line(f"eval after stage {rec['stage']} step {rec['step']}: held-out lm loss {rec['lm_loss']:.4f}")
+        when = "after stage" if rec.get("at", "stage_end") == "stage_end" else "in stage"
+        self._line(f"eval {when} {rec['stage']} step {rec['step']}: held-out lm loss {rec['lm_loss']:.4f}")
         if self._tb is not None:
             self._tb.add_scalar("eval/lm_loss", rec["lm_loss"], rec["step"])
 

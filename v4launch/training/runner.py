@@ -392,6 +392,9 @@ class Runner:
             self._one_step(plan)
             if p.step_in_stage >= plan.steps:
                 return None
+            every = self.recipe.logging.eval_interval_steps  # the stage's own count: a resume evaluates alike
+            if every and p.step_in_stage % every == 0:
+                self.evaluate_held_out(plan, "interval")
             if p.step % self.recipe.checkpointing.interval_steps == 0:
                 self.save(plan)
             if self.stop_requested(stop):
@@ -490,13 +493,23 @@ class Runner:
         """Held-out evaluation and the stage-end checkpoint."""
         self.flush_stats()
         self.gc.full()
+        self.evaluate_held_out(plan, "stage_end")
+        self.save(plan)
+
+    def evaluate_held_out(self, plan: StagePlan, at: str) -> None:
+        """The held-out LM loss on the first held-out micro-batches (the same documents at every call:
+        ``data_io.eval_batches``), forward only, as an ``eval`` record (``at``: ``interval`` after every
+        ``logging.eval_interval_steps``-th step of a stage, ``stage_end``). Draws no random number and leaves
+        the training state as it was (eval mode keeps no MoE expert counts), so the steps after it are those of
+        a run without it; its cost: ``validators/eval_cost.py``. Collective: every rank calls it."""
+        self.flush_stats()  # the step's record before the evaluation's
         batches = eval_batches(self.dataset, self.recipe, plan, self.layout, self.info.device, self.boundary)
         result = evaluate(self.model, batches, self.info, self.autocast, pipeline=self.pm.pipeline, layout=self.layout)
         self.pm.reshard()
         if result:
-            self.metrics.eval({"kind": "eval", "stage": plan.name, "stage_index": plan.index,
-                               "phase": self.model.phase, "step": self.progress.step, **result})
-        self.save(plan)
+            self.metrics.eval({"kind": "eval", "at": at, "stage": plan.name, "stage_index": plan.index,
+                               "phase": self.model.phase, "step": self.progress.step,
+                               "step_in_stage": self.progress.step_in_stage, **result})
 
     def stop_requested(self, stop: threading.Event) -> bool:
         """True on every rank if a stop was requested on any rank."""

@@ -41,20 +41,6 @@ def check_indexer_qat_unimplemented(ctx: Context):
     return ctx.ok("attention.indexer_qat", False)
 
 
-@rule("V4-UNIMPL-EVAL-INTERVAL", fields=("logging.eval_interval_steps",), scope="recipe",
-      fix="set logging.eval_interval_steps=0")
-def check_eval_interval_unimplemented(ctx: Context):
-    """Held-out evaluation every N steps (logging.eval_interval_steps) is not implemented: the job evaluates at each stage end.
-
-    Source: validators/field_coverage.py (v4launch/training/runner.py evaluates in finish_stage only).
-    """
-    n = ctx.recipe.logging.eval_interval_steps
-    if n:
-        return ctx.finding("logging.eval_interval_steps", n, f"logging.eval_interval_steps={n}: the bundled job "
-                           "evaluates the held-out loss only at the end of each stage, never every N steps")
-    return ctx.ok("logging.eval_interval_steps", 0)
-
-
 @rule("V4-UNIMPL-BSHD", fields=("parallel.qkv_format",), scope="recipe", fix="set parallel.qkv_format=thd")
 def check_bshd_unimplemented(ctx: Context):
     """The padded BSHD batch format (parallel.qkv_format=bshd) is not implemented: the job always packs THD.

@@ -96,7 +96,12 @@ class LoggingConfig(Section):
 
     interval_steps: int = Field(1, ge=1, le=MAX_STEPS, description="Log every N optimizer steps.")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
-    eval_interval_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate held-out loss every N steps; 0 = only at stage end.")
+    eval_interval_steps: int = Field(0, ge=0, le=MAX_STEPS, description=(
+        "Also evaluate the held-out LM loss after every N-th step of each stage (counted within the stage, so a "
+        "resumed run evaluates at the same steps); 0 = only at each stage end (always done). Each evaluation is "
+        "a forward over the same 8 held-out micro-batches (micro_batch_size x seq_len rows each, at least one "
+        "per data-parallel replica): about ceil(8 / dp) / (3 x accum) of a step's time, no extra memory "
+        "(validators/eval_cost.py). Megatron's eval_interval."))
 
 
 class CompileConfig(Section):
