@@ -111,6 +111,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
                               "parallel.ep=1", "curriculum.stages.3.cp=1"]),
     # 8 ranks x (offloaded inputs + 16 GiB per process) > 100 GiB; 1 TiB holds them
     "V4-HOST-MEMORY": (["cluster.host_memory_gib=100"], ["cluster.host_memory_gib=1024"]),
+    "V4-SLURM-SIGNAL": (["slurm.signal_delay_s=14400"], ["slurm.signal_delay_s=14000"]),  # time_min 240 min
 }
 
 UNIMPLEMENTED_PREFIX = "V4-UNIMPL-"
