@@ -73,10 +73,12 @@ def job_rows(run_dir: Path, recipe: Any) -> list[JobRow]:
     waiting = query.pending_reasons(j for j, s in states.items() if (s or "").upper().startswith("PENDING"))
     metrics = last_metrics(run_dir) or {}
     ckpt = latest_checkpoint_path(run_dir)
+    failed = [j for j, s in states.items() if query_state_word(s) == "FAILED"]
+    exits = {j: rec.get("ExitCode") for j, rec in query.accounting(failed).items()}  # how a FAILED job ended
     rows = []
     for n, job_id in enumerate(ids):
         mine = ledger.for_job(events, job_id)
-        view = job_state(states.get(job_id), mine)
+        view = job_state(states.get(job_id), mine, exits.get(job_id))
         newest = n == len(ids) - 1
         staged = [e.stage for e in mine if e.stage is not None]
         stage_key = staged[-1] if staged else (metrics.get("stage") if newest else None)
@@ -89,8 +91,25 @@ def job_rows(run_dir: Path, recipe: Any) -> list[JobRow]:
                            phase=phase, step=step, loss=metrics.get("lm_loss", metrics.get("loss")) if newest else None,
                            checkpoint=ckpt.name if (newest and ckpt) else None,
                            restarts=sum(1 for e in mine if e.event == "requeue"),
-                           detail=_detail(requeued, last, waiting.get(job_id))))
+                           detail=_unrecorded_end(view, mine, exits.get(job_id), run_dir)
+                           or _detail(requeued, last, waiting.get(job_id))))
     return rows
+
+
+def _unrecorded_end(view: str, mine: list[Any], exit_code: str | None, run_dir: Path) -> str | None:
+    """The status line of a job Slurm ended FAILED without the job recording why (no ``failed`` event in
+    the ledger: it never got to write one): killed by SIGKILL (``stopped``, docs/slurm.md), or another
+    signal or exit code; None for any other job."""
+    from .states import TERMINAL_EVENTS, exit_signal
+
+    if view not in ("stopped", "failed") or any(e.event in TERMINAL_EVENTS for e in mine):
+        return None
+    sig = exit_signal(exit_code)
+    if view == "stopped":
+        return (f"killed by SIGKILL (ExitCode {exit_code}) for a reason Slurm does not tell; not requeued: "
+                f"`v4launch resume {run_dir}` continues from the latest checkpoint")
+    how = f"killed by signal {sig}" if sig else f"ExitCode {exit_code or 'unknown'}"
+    return f"Slurm says FAILED ({how}) and the job recorded no error: its log's last lines say how far it got"
 
 
 def _detail(requeued: Any, last: Any, waiting: str | None) -> str:
@@ -159,6 +178,8 @@ class SlurmLauncher(Launcher):
             ended = [e for e in ledger.read(run_dir) if e.event in ("failed", "budget_exhausted")]
             if ended:
                 detail["failure"] = f"job {ended[-1].job_id} {ended[-1].event}: {ended[-1].detail}"
+            elif rows[-1].detail:  # ended by Slurm before the job could record why
+                detail["failure"] = f"job {rows[-1].job_id}: {rows[-1].detail}"
         stage = rows[-1].stage if rows else metrics.get("stage")
         return RunStatus(state=state, launcher=self.name, step=rows[-1].step if rows else metrics.get("step"),
                          stage=stage, checkpoint=latest_checkpoint_path(run_dir), detail=detail)

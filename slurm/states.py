@@ -34,8 +34,24 @@ def normalise(state: str | None) -> str:
     return (state or "UNKNOWN").split()[0].rstrip("+").upper()
 
 
-def job_state(slurm_state: str | None, events: Iterable[Event]) -> str:
-    """What ``status`` shows for one job, from its Slurm state and its own ledger events.
+def exit_signal(exit_code: str | None) -> int | None:
+    """The signal that ended a job, from sacct's ``ExitCode`` (``code:signal``): ``0:9`` → 9, and a shell's
+    ``137:0`` (128 + 9: srun's task was killed) → 9; None when it exited with a plain code or is unknown."""
+    code, _, sig = (exit_code or "").partition(":")
+    if sig.isdigit() and int(sig) > 0:
+        return int(sig)
+    if code.isdigit() and 128 < int(code) <= 128 + 64:
+        return int(code) - 128
+    return None
+
+
+def job_state(slurm_state: str | None, events: Iterable[Event], exit_code: str | None = None) -> str:
+    """What ``status`` shows for one job, from its Slurm state, its own ledger events and (for a FAILED
+    job) sacct's ``ExitCode``.
+
+    A FAILED job that recorded no error and was killed by SIGKILL (``kill -9``, a cleanup script; Slurm
+    says no more) reads ``stopped``, as docs/slurm.md names that case: it is not requeued and
+    ``v4launch resume`` continues it from the latest checkpoint.
 
     Returns one of: pending, running, requeued, completed, stage completed, stopped, cancelled,
     failed, timeout, preempted, node failure, unknown.
@@ -64,6 +80,8 @@ def job_state(slurm_state: str | None, events: Iterable[Event]) -> str:
         return "preempted"
     if state in ("NODE_FAIL", "BOOT_FAIL"):
         return "node failure"
+    if state == "FAILED" and exit_signal(exit_code) == 9:
+        return "stopped"
     if state in CRASH:
         return "failed"
     return "unknown"

@@ -321,13 +321,17 @@ class LocalLauncher(Launcher):
         return result
 
     def _spawn(self, run_dir: Path, world: int, max_steps: int | None) -> TrainResult:
+        from .training.worker import LAUNCHER_PID_VAR
+
         env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                   LOCAL_WORLD_SIZE=str(world))
+                   LOCAL_WORLD_SIZE=str(world), **{LAUNCHER_PID_VAR: str(os.getpid())})  # workers die with us
         cmd = [sys.executable, "-m", "v4launch.training.worker", str(run_dir)]
         if max_steps is not None:
             cmd += ["--max-steps", str(max_steps)]
         logs = RunPaths(run_dir).logs
         logs.mkdir(exist_ok=True)
+        for stale in logs.glob("result.rank*.json"):  # an earlier launch's: `status` reads only this launch's
+            stale.unlink()
         procs = []
         rank0_out = logs / "worker0.out"
         echo_from = rank0_out.stat().st_size if rank0_out.is_file() else 0
@@ -435,13 +439,13 @@ class LocalLauncher(Launcher):
         state = launch.get("state", "not launched")
         detail: dict[str, Any] = {"pids": launch.get("pids", [])}
         if state == RUNNING and not any(_alive(p) for p in launch.get("pids", [])):
-            state = "died"
-            detail["failure"] = ("the run's processes are gone without recording how they ended (the launching "
-                                 "`v4launch` was killed, or the machine restarted)")
-            detail["log"] = str(RunPaths(Path(run_dir)).logs / "rank0.log")
+            state = self._recorded_end(run_dir, launch, detail)
         if state == "stopped":
             state = "cancelled"
             detail["cancelled_by"] = "v4launch cancel" if launch.get("cancel_requested") else "a signal (Ctrl-C or kill)"
+            if detail.pop("stopped_by_launcher_death", False):
+                detail["cancelled_by"] = ("the death of the launching `v4launch` (its workers got SIGTERM, saved a "
+                                          "checkpoint and stopped)")
             if launch.get("stopped_while_starting"):
                 detail["cancelled_by"] += " while the workers were starting, before this launch saved anything"
         if state == "failed":
@@ -450,6 +454,27 @@ class LocalLauncher(Launcher):
         if state in ("failed", "died") and detail.get("log"):
             detail["log_tail"] = log_tail(Path(detail["log"]))
         return files_status(run_dir, self.name, state, detail)
+
+    @staticmethod
+    def _recorded_end(run_dir: Path, launch: dict[str, Any], detail: dict[str, Any]) -> str:
+        """The state of a 'running' run whose processes are all gone: what rank 0 recorded when its launcher was
+        no longer there to (``logs/result.rank0.json``: completed, stopped after the launcher's death, ...), else
+        'died'. Fills ``detail`` with how the launch ended."""
+        logs = RunPaths(Path(run_dir)).logs
+        try:
+            result = TrainResult.from_json(json.loads((logs / "result.rank0.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            result = None
+        if result is not None and launch.get("world_size", 1) > 1:  # written by this launch's rank 0 (stale removed)
+            detail["launcher_gone"] = (f"the launching `v4launch` ended without recording the result; rank 0 "
+                                       f"recorded '{result.status}' at step {result.step}")
+            if result.status == "stopped":
+                detail["stopped_by_launcher_death"] = True
+            return result.status
+        detail["failure"] = ("the run's processes are gone without recording how they ended (the launching "
+                             "`v4launch` was killed, or the machine restarted)")
+        detail["log"] = str(logs / "rank0.log")
+        return "died"
 
     def cancel(self, run_dir: Path) -> None:
         """SIGTERM each live process of the run; the job saves a checkpoint and returns 'stopped'

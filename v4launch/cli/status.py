@@ -68,7 +68,7 @@ def _rows(run_dir: Path, st: Any) -> list[dict[str, Any]]:
         return rows
     ckpt = st.checkpoint.name if st.checkpoint else None  # a local run: one row from the launcher's view
     last = last_metrics(run_dir) or {}  # phase and loss of the last logged step
-    return [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "local", "state": st.state,
+    return [{"job_id": ",".join(map(str, st.detail.get("pids", []))) or "-", "state": st.state,
              "stage": st.stage, "phase": last.get("phase"), "step": st.step, "loss": last.get("lm_loss"),
              "checkpoint": ckpt, "restarts": 0, "detail": ""}]
 
@@ -86,7 +86,8 @@ def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
 
     logged_step = (last_metrics(run_dir) or {}).get("step")  # the step the loss column comes from
     table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")
-    for col in ("job", "state", "stage", "phase", "step", "loss", "checkpoint", "restarts"):
+    first = "job" if st.detail.get("jobs") is not None else "pid"  # Slurm job ids, or a local run's process ids
+    for col in (first, "state", "stage", "phase", "step", "loss", "checkpoint", "restarts"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         style = _STYLE.get(r["state"], "")
@@ -94,6 +95,11 @@ def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
                       _cell(r["stage"]), _cell(r["phase"]), _cell(r["step"]),
                       _loss_cell(r["loss"], r["step"], logged_step), _cell(r["checkpoint"]), _cell(r["restarts"]))
     return table
+
+
+def _job_ids(st: Any) -> list[str]:
+    """The Slurm job ids of the run's chain (stages and relaunches), oldest first; [] for a local run."""
+    return [str(r["job_id"]) for r in st.detail.get("jobs") or []]
 
 
 def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
@@ -107,13 +113,17 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
     if json_out:
         OUT.json({"run_dir": str(run_dir), "state": st.state, "launcher": st.launcher, "stage": st.stage,
                   "step": st.step, "checkpoint": str(st.checkpoint) if st.checkpoint else None,
-                  "set_aside": set_aside, **st.detail})
+                  "set_aside": set_aside, "job_ids": _job_ids(st), **st.detail})
     else:
         rows = _rows(run_dir, st)
         OUT.console.print(_table(run_dir, st, rows))
         for r in rows:
             if r.get("detail"):
                 OUT.console.print(f"  job {r['job_id']}: {r['detail']}", markup=False, highlight=False)
+        if _job_ids(st):
+            OUT.console.print(f"Slurm jobs: {' -> '.join(_job_ids(st))}", markup=False, highlight=False)
+        if st.detail.get("launcher_gone"):
+            OUT.console.print(f"note: {st.detail['launcher_gone']}", markup=False, highlight=False)
         restarts = st.detail.get("restarts")
         budget = f"; restarts {restarts} of {st.detail.get('max_restarts')}" if restarts is not None else ""
         OUT.console.print(f"run state: [bold]{st.state}[/bold] (stage {_cell(st.stage)}, step {_cell(st.step)}{budget})")
