@@ -130,3 +130,36 @@ def _exists(name: str) -> bool:
         return Path(name).exists()
     except (OSError, ValueError):
         return False
+
+
+def recipe_and_overrides(workspace: Any, name: str | None, extra: list[str]) -> tuple[Path, list[str]]:
+    """The recipe and overrides ``run`` / ``submit`` use, saying which on one line when the workspace chose.
+
+    A recipe named here runs with the overrides given here only. With none named, the workspace's recipe runs
+    with the overrides given here, or else with those it was last validated with (``Workspace.default_overrides``).
+
+    Raises:
+        UsageError: no recipe named and none recorded in the workspace (or the recorded file is gone).
+    """
+    import shlex
+
+    kept, passed = workspace.default_overrides()
+    if name is not None:
+        recorded = workspace.state().get("recipe")
+        if kept and not extra and recorded and _exists(name) and Path(name).resolve() == Path(recorded):
+            OUT.note(f"note: the overrides last validated with {name} ({shlex.join(kept)}) are not applied to a "
+                     "recipe named here: omit the recipe to apply them, or write them to a file with "
+                     "`v4launch validate RECIPE OVERRIDES --write NEW.yaml`")
+        return Path(name), extra
+    path = workspace.default_recipe()
+    head = f"recipe: {path} (the workspace's recipe)"
+    if extra and kept:
+        OUT.note(f"{head} with {shlex.join(extra)}, given here: they replace the overrides it was last validated "
+                 f"with ({shlex.join(kept)})")
+    elif kept:
+        verdict = {True: "passed", False: "failed"}.get(passed, "not validated")
+        OUT.note(f"{head} with the overrides it was last validated with ({verdict}): {shlex.join(kept)}")
+        extra = kept
+    else:
+        OUT.note(head + (f" with {shlex.join(extra)}" if extra else ""))
+    return path, extra

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import OUT, OverridesArg, split_recipe_arg
+from .common import OUT, OverridesArg, recipe_and_overrides, split_recipe_arg
 
 HELP = ("Train RECIPE on this machine: validate it (refused with exit 1 on a contract violation), prepare "
         "its data, create a run directory under the workspace's run.output_root, and run every curriculum "
@@ -62,14 +62,11 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     check_profile_env()  # before a run directory exists: a bad V4LAUNCH_PROFILE_STEPS must not leave a failed run
     ws = Workspace.current()
     name, extra = split_recipe_arg(recipe, list(overrides or []), "run")
-    path = Path(name) if name else None
-    if path is None:
-        path = ws.default_recipe()
-        OUT.note(f"recipe: {path} (the workspace's recipe)")
+    path, extra = recipe_and_overrides(ws, name, extra)
     loaded = load_recipe(path, extra)
     for warning in check_recipe(loaded):
         OUT.note(f"warning: {warning}")
-    ws.remember(recipe=str(loaded.path))
+    ws.remember_recipe(str(loaded.path), extra)
     r = loaded.recipe
     refuse_what_this_machine_cannot_run(r)  # before data and a run directory exist (the job checks again where it runs)
     dataset = prepare_dataset(r.data, get_tokenizer(r.data.tokenizer), workspace=ws)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import shlex
 import shutil
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from ..errors import UsageError, V4LaunchError
-from .common import OUT, JsonOpt, OverridesArg, split_recipe_arg
+from .common import OUT, JsonOpt, OverridesArg, recipe_and_overrides, split_recipe_arg
 
 HELP = ("Validate RECIPE, freeze it and the code revision into a new run directory, and submit it to "
         "Slurm (one task per GPU; the whole curriculum runs, stage after stage, with checkpoint-and-requeue "
@@ -47,10 +46,7 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     check_profile_env()  # the jobs inherit the environment: refuse a malformed one before anything is queued
     ws = Workspace.current()
     name, extra = split_recipe_arg(recipe, list(overrides or []), "submit")
-    path = Path(name) if name else None
-    if path is None:
-        path = ws.default_recipe()
-        OUT.note(f"recipe: {path} (the workspace's recipe)")
+    path, extra = recipe_and_overrides(ws, name, extra)
     if nodes is not None:
         given = [o for o in extra if o.replace(" ", "").startswith("cluster.nodes=")]
         last = given[-1].split("=", 1)[1].strip() if given else None  # the override that would apply
@@ -75,7 +71,7 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     except V4LaunchError:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: do not leave an empty run behind
         raise
-    ws.remember(recipe=str(loaded.path))
+    ws.remember_recipe(str(loaded.path), extra)
     if json_out:
         OUT.json({"run_dir": str(run_dir), "job_id": job_id, "recipe": str(path), "git_sha": rev.sha,
                   "dirty": rev.dirty})

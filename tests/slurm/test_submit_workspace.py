@@ -1,0 +1,63 @@
+"""`v4launch validate RECIPE OVERRIDES` then `v4launch submit --dry-run`: the workspace's recipe with the same
+overrides, said on one line; overrides given to submit replace them; a recipe named to submit runs as written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FLASH_4N = str(REPO / "recipes" / "flash_4n.yaml")
+V4LAUNCH = str(Path(sys.executable).with_name("v4launch"))
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="400")
+    return subprocess.run([V4LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    (tmp_path / ".v4launch").mkdir()
+    return tmp_path
+
+
+def test_submit_reuses_the_overrides_validate_passed_and_says_so(ws: Path):
+    assert cli("validate", FLASH_4N, "cluster.nodes=8", cwd=ws).returncode == 0
+    out = cli("submit", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=8" in out.stdout.splitlines()
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("recipe: ")]
+    assert line == (f"recipe: {FLASH_4N} (the workspace's recipe) with the overrides it was last validated with "
+                    "(passed): cluster.nodes=8")
+
+
+def test_overrides_given_to_submit_replace_the_remembered_ones(ws: Path):
+    assert cli("validate", FLASH_4N, "cluster.nodes=8", cwd=ws).returncode == 0
+    out = cli("submit", "slurm.time_min=60", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "#SBATCH --nodes=4" in lines and "#SBATCH --time=60" in lines
+    assert ("with slurm.time_min=60, given here: they replace the overrides it was last validated with "
+            "(cluster.nodes=8)") in out.stderr
+
+
+def test_a_recipe_named_to_submit_runs_as_written_and_the_cli_says_the_overrides_are_not_applied(ws: Path):
+    assert cli("validate", FLASH_4N, "cluster.nodes=8", cwd=ws).returncode == 0
+    out = cli("submit", FLASH_4N, "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=4" in out.stdout.splitlines()
+    assert "(cluster.nodes=8) are not applied to a recipe named here" in out.stderr
+
+
+def test_the_written_fix_submits(ws: Path):
+    """validate's --write, then submit NEW.yaml: the fixed recipe renders its 8-node job."""
+    out = cli("validate", FLASH_4N, "cluster.nodes=8", "--write", "f8.yaml", cwd=ws)
+    assert out.returncode == 0 and (ws / "f8.yaml").is_file(), out.stderr
+    out = cli("submit", "f8.yaml", "--dry-run", cwd=ws)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=8" in out.stdout.splitlines()
