@@ -25,8 +25,14 @@ from v4launch.validators.schema import PHASE_ORDER, Recipe
 
 from .base import PARALLEL_KEYS, Manifest, csa_layer_ids, global_layer_ids, recipe_fields, recipe_hash
 
-Verdict = Literal["safe", "applied", "reshard", "refused"]
-"""``applied``: a changed recipe field the resumed run uses from the resume step on (see the reason)."""
+Verdict = Literal["safe", "applied", "warning", "reshard", "refused"]
+"""``applied``: a changed recipe field the resumed run uses from the resume step on (see the reason).
+``warning``: allowed, but the run loses something it was meant to do (e.g. most of a warm-up stage); the reason
+says what."""
+
+WARMUP_SKIP_WARN_FRACTION = 0.25
+"""Skipping more than this fraction of a warm-up stage's steps (or all of it) makes the resume's stage item a
+``warning``: the indexer trains on less than three quarters of the KL warm-up the recipe planned."""
 
 ALLOW_FLAGS: tuple[str, ...] = (
     "--allow-layer-change",
@@ -100,7 +106,7 @@ class CompatReport:
 
         from rich.markup import escape
 
-        colour = {"safe": "green", "applied": "cyan", "reshard": "yellow", "refused": "bold red"}
+        colour = {"safe": "green", "applied": "cyan", "warning": "bold yellow", "reshard": "yellow", "refused": "bold red"}
         table = Table(title=title, show_lines=False)
         for col in ("aspect", "verdict", "reason", "override"):
             table.add_column(col)
@@ -262,14 +268,21 @@ def _schedule_item(manifest: Manifest, recipe: Recipe, flags: set[str]) -> Compa
 def _phase_items(manifest: Manifest, recipe: Recipe, stage_index: int, phase: str, flags: set[str]) -> list[CompatItem]:
     target = recipe.curriculum.stages[stage_index]
     moved = f"{manifest.stage_name} (#{manifest.stage_index}) → {target.name} (#{stage_index})"
-    if stage_index > manifest.stage_index and manifest.stage_index < len(recipe.curriculum.stages):
-        left = recipe.curriculum.stages[manifest.stage_index].steps
-        done = int(manifest.extra.get("step_in_stage", 0))
-        if left is not None and done < left:  # an explicit --stage / --phase past an unfinished stage
-            moved += f"; skips the last {left - done} of {left} steps of {manifest.stage_name}"
+    skipped = skipped_steps(manifest, recipe, stage_index)
+    warn = [f"skips {n} of {of} steps ({n / of:.0%}) of warm-up stage {name}" + (" (all of it)" if n == of else "")
+            for name, phase, n, of, _ in skipped
+            if phase == "warmup" and (n == of or n / of > WARMUP_SKIP_WARN_FRACTION)]
+    if skipped:  # an explicit --stage / --phase past unfinished stages
+        moved += (f"; skips {sum(s[2] for s in skipped)} steps ({sum(s[4] for s in skipped):,} tokens): "
+                  + ", ".join(f"the last {n} of {of} steps of {name}" if n < of else f"all {of} steps of {name}"
+                              for name, _, n, of, _ in skipped))
     out = [_item("stage", stage_index >= manifest.stage_index, moved,
                  f"stage #{stage_index} ({target.name}) comes before the checkpoint's stage #{manifest.stage_index} "
                  f"({manifest.stage_name})", "--allow-phase-regression", flags)]
+    if warn and out[0].verdict == "safe":
+        out[0] = CompatItem("stage", "warning", f"{moved}. WARNING: {'; '.join(warn)}, more than "
+                                                f"{WARMUP_SKIP_WARN_FRACTION:.0%}: the indexer gets that much less "
+                                                "KL warm-up before sparse top-k relies on it")
     src, dst = PHASE_ORDER[manifest.phase], PHASE_ORDER[phase]
     why = {(0, 1): "indexer gets built and initialised", (1, 2): "indexer trained in warm-up",
            (0, 2): "forward move (see indexer)"}.get((src, dst), "unchanged" if src == dst else "")
@@ -285,6 +298,25 @@ def _phase_items(manifest: Manifest, recipe: Recipe, stage_index: int, phase: st
         out.append(_item("indexer", phase == "warmup", f"no indexer in checkpoint; built fresh for layers {csa} and trained by the warm-up KL",
                          f"no indexer in checkpoint and target phase is {phase}: top-k would come from an untrained "
                          f"indexer (run a warmup stage first)", "--allow-cold-indexer", flags))
+    return out
+
+
+def skipped_steps(manifest: Manifest, recipe: Recipe, stage_index: int) -> list[tuple[str, str, int, int, int]]:
+    """What a resume at the start of stage ``stage_index`` skips of the curriculum: one
+    ``(stage name, phase, steps skipped, steps of the stage, tokens skipped)`` per stage from the checkpoint's
+    (the steps it had left) up to the target (all of each stage between); [] unless the target is after the
+    checkpoint's stage with steps left. Tokens are steps × global batch × seq_len of that stage."""
+    import math
+
+    stages = recipe.curriculum.stages
+    out = []
+    for k in range(manifest.stage_index, min(stage_index, len(stages))):
+        st = stages[k]
+        gbs = recipe.stage_global_batch(st)
+        steps = st.steps if st.steps is not None else math.ceil(st.tokens / (gbs * st.seq_len))
+        done = int(manifest.extra.get("step_in_stage", 0)) if k == manifest.stage_index else 0
+        if steps - done > 0:
+            out.append((st.name, st.phase, steps - done, steps, (steps - done) * gbs * st.seq_len))
     return out
 
 

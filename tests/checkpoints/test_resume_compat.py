@@ -149,11 +149,44 @@ def test_a_new_indexer_only_group_is_named_not_called_the_same_groups(recipe):
 
 
 def test_jumping_past_an_unfinished_stage_says_how_many_steps_it_skips(recipe):
-    """--phase/--stage past a stage that was not finished is allowed (a forward move) and the report says what is skipped."""
-    steps = recipe.curriculum.stages[1].steps
-    manifest = manifest_for(recipe, 1, extra={"step_in_stage": 1})
-    report = run(manifest, recipe, stage=2)
+    """--phase/--stage past a stage that was not finished is allowed (a forward move) and the report says what is
+    skipped, in steps and tokens; skipping more than a quarter of a warm-up stage is a warning naming the fraction."""
+    warm = recipe.curriculum.stages[1]
+    assert warm.phase == "warmup" and warm.steps == 40 and recipe.stage_global_batch(warm) * warm.seq_len == 2048
+    stage = item(run(manifest_for(recipe, 1, extra={"step_in_stage": 35}), recipe, stage=2), "stage")
+    assert stage.verdict == "safe" and "skips 5 steps (10,240 tokens): the last 5 of 40 steps of warmup_512" in stage.reason
+    stage = item(run(manifest_for(recipe, 1, extra={"step_in_stage": 10}), recipe, stage=2), "stage")
+    assert stage.verdict == "warning" and "skips 30 steps (61,440 tokens): the last 30 of 40 steps of" in stage.reason
+    assert "skips 30 of 40 steps (75%) of warm-up stage warmup_512, more than 25%" in stage.reason
+    finished = run(manifest_for(recipe, 1, extra={"step_in_stage": warm.steps}), recipe, stage=2)
+    assert "skips" not in item(finished, "stage").reason and item(finished, "stage").verdict == "safe"
+
+
+def test_jumping_from_dense_past_the_whole_warm_up_says_so(recipe):
+    """dense → sparse with --allow-cold-indexer: the report names the whole warm-up stage it skips."""
+    report = run(manifest_for(recipe, 0, extra={"step_in_stage": 63}), recipe, stage=2, allow={"--allow-cold-indexer"})
     stage = item(report, "stage")
-    assert stage.verdict == "safe" and f"skips the last {steps - 1} of {steps} steps of" in stage.reason
-    finished = run(manifest_for(recipe, 1, extra={"step_in_stage": steps}), recipe, stage=2)
-    assert "skips" not in item(finished, "stage").reason
+    assert report.ok and stage.verdict == "warning"
+    assert "skips 57 steps (116,736 tokens): the last 17 of 80 steps of dense_512, all 40 steps of warmup_512" in stage.reason
+    assert "skips 40 of 40 steps (100%) of warm-up stage warmup_512 (all of it)" in stage.reason
+
+
+def test_the_report_says_where_the_lr_schedule_resumes(recipe):
+    """A jump to another stage moves the LR schedule to that stage's first step: the item gives both positions and
+    lr values (cosine over the 150-step curriculum, 10 warm-up steps, peak 3e-3, floor 3e-4)."""
+    import math
+
+    from v4launch.training.resume import lr_item
+
+    def lr(step):  # the recipe's schedule, written out
+        return 3e-4 + (3e-3 - 3e-4) * 0.5 * (1 + math.cos(math.pi * (step - 10 + 1) / 140))
+
+    mid_warmup = manifest_for(recipe, 1, step=90, extra={"step_in_stage": 10})
+    jump = lr_item(recipe, mid_warmup, 2, world=2)
+    assert jump.aspect == "lr schedule" and jump.verdict == "applied"
+    assert (f"jumps from step 90 (lr {lr(90):.3g}, where the checkpoint left it) to step 120 of 150, lr {lr(120):.3g}"
+            in jump.reason) and "optimizer step count continues from 90" in jump.reason
+    stay = lr_item(recipe, mid_warmup, 1, world=2)
+    assert stay.verdict == "safe" and stay.reason == f"continues at step 90 of 150, lr {lr(90):.3g}"
+    at_end = lr_item(recipe, manifest_for(recipe, 1, step=120, extra={"step_in_stage": 40}), 2, world=2)
+    assert at_end.verdict == "safe"  # the stage was finished: the next one starts where the schedule is

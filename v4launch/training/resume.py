@@ -262,6 +262,7 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
         cache_key(recipe.data, tokenizer)  # new inputs that do not exist: refused now, not in the job
     if schedule_changes(manifest, recipe):  # else the model's tensors are the checkpoint's by construction
         report = CompatReport((*report.items, tensors_item(recipe, manifest, ckpt)))
+    report = CompatReport((*report.items, lr_item(recipe, manifest, idx, world)))
     if old is not None:
         fields = field_items(old, recipe, report.items, launcher=launcher, step=manifest.step,
                              target_stage=idx, run_dir=Path(run_dir))
@@ -269,6 +270,27 @@ def plan_resume(run_dir: Path, loaded: Any, *, stage: str | None = None, phase: 
     return ResumePlan(run_dir=Path(run_dir), checkpoint=ckpt, manifest=manifest, stage_index=idx,
                       stage_name=recipe.curriculum.stages[idx].name, phase=target_phase, explicit_stage=explicit,
                       report=report, allow=tuple(allow), newer=newer, data_changed=data_changed)
+
+
+def lr_item(recipe: Any, manifest: Any, target: int, world: int) -> Any:
+    """``CompatItem("lr schedule")``: where the learning-rate schedule resumes (its global step and the AdamW lr
+    there, from the resume's recipe) against where the checkpoint left it. The job continues mid-stage only in the
+    checkpoint's own stage; a resume at another stage starts that stage, and the schedule jumps to its first step.
+    ``safe`` when the position is unchanged, else ``applied`` with both positions and values."""
+    from ..checkpoints.compat import CompatItem
+    from .plan import LRSchedule, plan_curriculum
+
+    plans = plan_curriculum(recipe, world)
+    schedule = LRSchedule(recipe.optimizer, plans)
+    m = min(manifest.stage_index, len(plans) - 1)
+    was = plans[m].first_step + min(int(manifest.extra.get("step_in_stage", 0)), plans[m].steps)
+    now = was if target == m or was == plans[target].first_step else plans[target].first_step
+    where = f"step {now} of {schedule.total}, lr {schedule.lr(now)[0]:.3g}"
+    if now == was:
+        return CompatItem("lr schedule", "safe", f"continues at {where}")
+    return CompatItem("lr schedule", "applied", f"jumps from step {was} (lr {schedule.lr(was)[0]:.3g}, where the "
+                      f"checkpoint left it) to {where}: the start of stage {plans[target].name}; the run's optimizer "
+                      f"step count continues from {manifest.step}")
 
 
 def refusal(plan: ResumePlan) -> RefusedError:
@@ -302,7 +324,7 @@ STORAGE_FIELDS = ("precision.params_dtype", "precision.store_param_remainders", 
 """Storage fields: the weights and optimizer state a checkpoint holds are laid out by them (a bf16 weight's master
 lives in its optimizer state), so a resume keeps them."""
 
-_RANK = {"refused": 3, "reshard": 2, "applied": 1, "safe": 0}
+_RANK = {"refused": 4, "reshard": 3, "warning": 2, "applied": 1, "safe": 0}
 
 
 def _decided_by(path: str) -> str | None:
