@@ -62,6 +62,8 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
     "save_interval": (MEGATRON, "checkpointing.interval_steps"),
     "log_interval": (MEGATRON, "logging.interval_steps"),
     "eval_interval": (MEGATRON, "logging.eval_interval_steps"),
+    "wandb_project": (MEGATRON, "logging.wandb.project"),
+    "wandb_exp_name": (MEGATRON, "logging.wandb.name"),
     # precision-aware optimizer and offload (Megatron's DistributedOptimizer / TransformerConfig names)
     "use_precision_aware_optimizer": (MEGATRON, "precision.params_dtype, precision.exp_avg_dtype and "
                                                 "precision.exp_avg_sq_dtype (each bf16)"),
@@ -102,6 +104,7 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
     "keep_latest_k": (TORCHTITAN, "checkpointing.keep_last"),
     "log_freq": (TORCHTITAN, "logging.interval_steps"),
     "enable_tensorboard": (TORCHTITAN, "logging.tensorboard"),
+    "enable_wandb": (TORCHTITAN, "logging.wandb (a section: {project, name, mode})"),
 }
 """Peer spelling → (whose name it is, our dotted path)."""
 

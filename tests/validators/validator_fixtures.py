@@ -99,6 +99,9 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     "V4-UNIMPL-OFFLOAD": (["parallel.offload_modules=[core_attn]"], []),
     "V4-UNIMPL-INDEXER-QAT": (["attention.indexer_qat=true"], []),
     "V4-UNIMPL-BSHD": (["parallel.qkv_format=bshd", "curriculum.stages.3.cp=1"], []),
+    # fails where wandb is not installed (the test extra leaves it out); the twin logs nothing
+    "V4-WANDB-INSTALLED": (["logging.wandb.project=fixture"], ["logging.wandb.project=fixture",
+                                                                "logging.wandb.mode=disabled"]),
     # the base spreads a replica over pp 2, ep 2 and the distributed optimizer; the twin is one GPU per replica
     "V4-CUDA-GRAPH": (["compile.cuda_graph=true"], ONE_GPU_GRAPH),
     "V4-CUDA-GRAPH-UNUSED": ([*ONE_GPU_GRAPH, "attention.kernel_backend=reference"], ONE_GPU_GRAPH),

@@ -25,6 +25,7 @@ from .data_io import prepare_for_run
 from .dist import init_distributed, teardown
 from .metrics import MetricsLogger
 from .result import TrainResult, TrainStatus
+from .trackers import open_trackers
 from .runner import Runner, refuse_missing_gpus
 
 __all__ = ["train", "TrainResult", "TrainStatus"]
@@ -101,9 +102,11 @@ def _train(run, info, stop, stop_after_stage, max_steps, progress) -> TrainResul
             consume_resume_request(run.paths.root)
     # the step count and eta the log shows: where the job will stop (--max-steps), not the curriculum's end
     last_step = min(runner.total_steps, max_steps) if max_steps is not None else runner.total_steps
+    trackers = open_trackers(run.recipe.logging, run.paths.root, run.recipe.model_dump(mode="json")) \
+        if info.is_main else []  # logging.wandb: rank 0 only
     metrics = MetricsLogger(run.paths.root, rank=info.rank, total_steps=last_step,
                             tensorboard=run.recipe.logging.tensorboard, progress=progress,
-                            start_step=runner.first_step)
+                            start_step=runner.first_step, trackers=trackers)
     runner.metrics = metrics
     try:
         with runner.gc.during_training():  # run.gc_interval_steps: collections between timed steps only

@@ -9,7 +9,8 @@ metrics.jsonl (rank 0) holds one JSON object per line:
   stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``)
 * ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
 
-TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …).
+TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …), and so
+does every tracker (``trackers.py``: Weights & Biases), under the same names at the same steps.
 The console shows a rich progress bar on a TTY, else (or with ``progress=False``) one plain line
 per logged step; every rank appends plain lines to ``logs/rank<R>.log``.
 """
@@ -42,20 +43,35 @@ def summary_line(rec: dict[str, Any], total_steps: int, eta_s: float | None) -> 
             + (f" eta {_eta(eta_s)}" if eta_s is not None else ""))
 
 
+def train_scalars(rec: dict[str, Any]) -> dict[str, float]:
+    """The scalars of a train record, by TensorBoard tag (``loss/lm``, ``aux/<name>``, ``lr/adamw``, …)."""
+    out = {"loss/lm": rec["lm_loss"], "loss/total": rec["total_loss"]}
+    out.update({f"aux/{name}": v for name, v in rec["aux"].items()})
+    for kind, v in rec["aux_sum"].items():
+        out[f"aux_sum/{kind}"] = v
+        out[f"aux_weighted/{kind}"] = rec["aux_weighted"][kind]
+    out.update({"lr/adamw": rec["lr"], "lr/muon": rec["muon_lr"], "grad_norm": rec["grad_norm"],
+                "throughput/tokens_per_s": rec["tokens_per_s"]})
+    return out
+
+
 class MetricsLogger:
     """Writes records to every sink. Only rank 0 writes metrics.jsonl, TensorBoard and the console."""
 
     def __init__(self, run_dir: Path, *, rank: int, total_steps: int, tensorboard: bool, progress: bool,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, trackers: list[Any] = ()) -> None:
         """``start_step``: the optimizer steps the run had done when this process started (its
         checkpoint's step). TensorBoard events an earlier attempt logged after it (steps replayed after
-        a crash or a ``resume --checkpoint`` rollback) are purged, so each step shows once."""
+        a crash or a ``resume --checkpoint`` rollback) are purged, so each step shows once.
+        ``trackers``: objects with ``log(scalars, step)`` and ``close()`` (``trackers.open_trackers``), fed
+        on rank 0 with the scalars TensorBoard gets."""
         self.rank, self.total_steps, self.main = rank, total_steps, rank == 0
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
         self._log = (run_dir / "logs" / f"rank{rank}.log").open("a", buffering=1)
         self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1) if self.main else None
         self._tb = None
+        self._trackers = list(trackers) if self.main else []
         if self.main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -102,30 +118,22 @@ class MetricsLogger:
             return
         self._write(rec)
         self._line(summary_line(rec, self.total_steps, eta), console=self._progress is None)
-        if self._tb is not None:
-            self._scalars(rec)
+        self._scalars(train_scalars(rec), rec["step"])
 
-    def _scalars(self, rec: dict[str, Any]) -> None:
-        step, tb = rec["step"], self._tb
-        tb.add_scalar("loss/lm", rec["lm_loss"], step)
-        tb.add_scalar("loss/total", rec["total_loss"], step)
-        for name, v in rec["aux"].items():
-            tb.add_scalar(f"aux/{name}", v, step)
-        for kind, v in rec["aux_sum"].items():
-            tb.add_scalar(f"aux_sum/{kind}", v, step)
-            tb.add_scalar(f"aux_weighted/{kind}", rec["aux_weighted"][kind], step)
-        tb.add_scalar("lr/adamw", rec["lr"], step)
-        tb.add_scalar("lr/muon", rec["muon_lr"], step)
-        tb.add_scalar("grad_norm", rec["grad_norm"], step)
-        tb.add_scalar("throughput/tokens_per_s", rec["tokens_per_s"], step)
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
+        """``scalars`` at ``step`` to TensorBoard and every tracker."""
+        if self._tb is not None:
+            for tag, v in scalars.items():
+                self._tb.add_scalar(tag, v, step)
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
 
     def eval(self, rec: dict[str, Any]) -> None:
         """Record a held-out evaluation."""
         self._write(rec)
         when = "after stage" if rec.get("at", "stage_end") == "stage_end" else "in stage"
         self._line(f"eval {when} {rec['stage']} step {rec['step']}: held-out lm loss {rec['lm_loss']:.4f}")
-        if self._tb is not None:
-            self._tb.add_scalar("eval/lm_loss", rec["lm_loss"], rec["step"])
+        self._scalars({"eval/lm_loss": rec["lm_loss"]}, rec["step"])
 
     def event(self, step: int, event: str, text: str, **fields: Any) -> None:
         """A run event (phase change, checkpoint, stop): a log line plus an ``event`` record."""
@@ -138,6 +146,8 @@ class MetricsLogger:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._jsonl is not None:
             self._jsonl.close()
         self._log.close()

@@ -19,6 +19,6 @@ from .parallel import ParallelConfig
 from .precision import ComponentPolicy, PrecisionConfig
 from .recipe import Recipe
 from .slurm import SlurmConfig
-from .training import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig
+from .training import CheckpointConfig, DataConfig, LoggingConfig, OptimizerConfig, RunConfig, WandbConfig
 
 __all__ = [name for name in dir() if not name.startswith("_")]

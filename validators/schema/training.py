@@ -91,8 +91,19 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, ge=1, le=10_000, description="Complete checkpoints kept; older ones are deleted after a successful save.")
 
 
+class WandbConfig(Section):
+    """Weights & Biases: the scalars TensorBoard gets, logged from rank 0 (the optional extra ``wandb``)."""
+
+    project: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, description="W&B project the run is logged to (wandb.init(project=...)).")
+    name: str | None = Field(None, min_length=1, max_length=MAX_TEXT_CHARS, description="W&B run name; null = the run directory's name.")
+    mode: Literal["online", "offline", "disabled"] = Field("online", description=(
+        "online: sync as the run goes (needs network and a login: `wandb login` or WANDB_API_KEY); offline: "
+        "write the W&B files under the run directory's wandb/ only (`wandb sync` uploads them later); "
+        "disabled: log nothing (the package is not needed)."))
+
+
 class LoggingConfig(Section):
-    """Metrics to JSONL (always), TensorBoard (optional) and the rich console."""
+    """Metrics to JSONL (always), TensorBoard (optional), Weights & Biases (optional) and the rich console."""
 
     interval_steps: int = Field(1, ge=1, le=MAX_STEPS, description="Log every N optimizer steps.")
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
@@ -102,6 +113,9 @@ class LoggingConfig(Section):
         "a forward over the same 8 held-out micro-batches (micro_batch_size x seq_len rows each, at least one "
         "per data-parallel replica): about ceil(8 / dp) / (3 x accum) of a step's time, no extra memory "
         "(validators/eval_cost.py). Megatron's eval_interval."))
+    wandb: WandbConfig | None = Field(None, description=(
+        "Also log to Weights & Biases: {project, name, mode}; null (the default) = not at all. Needs the "
+        "package (pip install 'v4launch[wandb]') unless mode is disabled; validate checks (V4-WANDB-INSTALLED)."))
 
 
 class CompileConfig(Section):
