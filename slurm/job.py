@@ -13,7 +13,8 @@ into the pickle (fairchem #1055). The protocol on every rank (not only rank 0: s
    lands after the stage finished is moot; submitit's own handler would requeue a finished job);
 4. rank 0 then decides (``states.after_stop``, with the time the signal was caught and Slurm's
    EndTime / PreemptTime): requeue (``scontrol requeue``; the same pickle runs again), leave it
-   to Slurm (already requeueing), or stop the run (cancel, restart budget used up);
+   to Slurm (already requeueing), or stop the run (cancel, the stage's slurm.max_segments used up);
+   a requeue after a caught signal is a planned segment; slurm.max_restarts counts the others (failures);
    ``"stage_completed"`` submits the next stage as a new job.
 
 Everything rank 0 sees is appended to ``<run_dir>/ledger.jsonl``.
@@ -44,7 +45,8 @@ DEFAULT_ENTRY = "v4launch.training.job:train"
 
 
 class RestartBudgetExhausted(RuntimeError):
-    """The run used up slurm.max_restarts: the job stops instead of training again."""
+    """The run used up slurm.max_restarts failures or a stage's slurm.max_segments: the job stops instead of
+    training again."""
 
 
 def resolve_entry(entry: str) -> Callable[..., Any]:
@@ -147,7 +149,8 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
         ledger.append(run_dir, job_id, "signal", detail=f"{signal_name}: stopped after the step; {ckpt}", **where)
         state = query.stop_state(job_id, query.restart_count())
         end, preempted = query.end_and_preemption(job_id)
-        decision = after_stop(signal_name, state, ledger.restarts_used(events), recipe.slurm.max_restarts,
+        segments = ledger.segments_used(events, where["stage"])  # time limits are planned, not failures
+        decision = after_stop(signal_name, state, segments, recipe.slurm.max_segments,
                               cancel=ledger.cancel_requested(events, job_id),
                               time_left_s=None if end is None else end - caught_at,
                               signal_delay_s=recipe.slurm.signal_delay_s, preempted=preempted)

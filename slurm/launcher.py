@@ -168,9 +168,13 @@ class SlurmLauncher(Launcher):
         rows = job_rows(run_dir, recipe)
         state = run_state([r.state for r in rows])
         metrics = last_metrics(run_dir) or {}
+        events = ledger.read(run_dir)
         detail: dict[str, Any] = {"jobs": [asdict(r) for r in rows],
                                   "restarts": sum(r.restarts for r in rows),
-                                  "max_restarts": recipe.slurm.max_restarts}
+                                  "segments": ledger.segments_used(events),  # planned: time limits, preemptions
+                                  "failures": ledger.restarts_used(events),  # counted against max_restarts
+                                  "max_restarts": recipe.slurm.max_restarts,
+                                  "max_segments": recipe.slurm.max_segments}
         if rows and state in ("failed", "node failure", "timeout", "unknown"):
             detail["log_tail"] = log_tail(run_dir, rows[-1].job_id)
             out, err = job_log_paths(run_dir, rows[-1].job_id)

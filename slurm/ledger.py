@@ -28,7 +28,7 @@ EVENTS = (
     "completed",         # the whole curriculum finished
     "exit",              # the job ended without finishing (max_steps, cancelled, not requeued)
     "failed",            # the job raised; detail holds the error
-    "budget_exhausted",  # slurm.max_restarts restarts were used up: the run is stopped
+    "budget_exhausted",  # slurm.max_restarts failures or a stage's slurm.max_segments were used up: the run is stopped
     "cancel",            # `v4launch cancel` asked this job to stop
 )
 
@@ -97,9 +97,27 @@ def job_ids(events: Iterable[Event]) -> list[str]:
     return seen
 
 
+SEGMENT_REASONS = ("time limit", "preemption")
+"""How the detail of a requeue after a caught checkpoint signal begins (``states.after_stop``): the job saved its
+checkpoint and is requeued to go on, a planned segment. Any other requeue (``states.on_start``: Slurm restarted a
+job that never caught its signal, after a node failure or a kill) is a failure."""
+
+
+def is_segment_end(event: Event) -> bool:
+    """Whether ``event`` is a requeue that ends a planned segment (time limit or preemption, checkpoint saved)."""
+    return event.event == "requeue" and (event.detail or "").startswith(SEGMENT_REASONS)
+
+
 def restarts_used(events: Iterable[Event]) -> int:
-    """How many times the run was requeued so far (counted against slurm.max_restarts)."""
-    return sum(1 for e in events if e.event == "requeue")
+    """Failures so far: requeues that did not follow a caught checkpoint signal (node failures, kills), counted
+    against slurm.max_restarts. A time-limit or preemption requeue is a planned segment (:func:`segments_used`)."""
+    return sum(1 for e in events if e.event == "requeue" and not is_segment_end(e))
+
+
+def segments_used(events: Iterable[Event], stage: int | None = None) -> int:
+    """Planned segments ended so far (time-limit and preemption requeues with a checkpoint), of curriculum stage
+    ``stage`` (None: the whole run); counted against slurm.max_segments, per stage."""
+    return sum(1 for e in events if is_segment_end(e) and (stage is None or e.stage == stage))
 
 
 def cancel_requested(events: Iterable[Event], job_id: str) -> bool:

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from . import ledger
 from .ledger import Event
 
 LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "COMPLETING",
@@ -110,9 +111,13 @@ SIGNAL_EARLY_S = 60
 by Slurm, the signal may be sent up to 60 seconds earlier than specified")."""
 
 
-def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_restarts: int, *,
+def after_stop(signal_name: str, slurm_state: str | None, segments: int, max_segments: int | None, *,
                cancel: bool, time_left_s: float | None, signal_delay_s: int, preempted: bool = False) -> Decision:
     """Decide what a job does after train() returned "stopped" on a signal.
+
+    A stop on the time limit or a preemption notice, with its checkpoint saved, ends a planned segment: it is
+    requeued whatever slurm.max_restarts says (that budget counts failures: :func:`on_start`), up to
+    slurm.max_segments segments per curriculum stage.
 
     The label (time limit or preemption) comes from Slurm's own record of the job, never from how
     long the step and the save took: Slurm's state (TIMEOUT, PREEMPTED), its preemption mark
@@ -125,7 +130,8 @@ def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_res
             without the user signal).
         slurm_state: why Slurm is ending the job (``query.stop_state``): REQUEUED, RUNNING,
             CANCELLED, TIMEOUT, PREEMPTED, NODE_FAIL, COMPLETING (reason unknown) or None.
-        restarts: requeues already used by the run; ``max_restarts``: slurm.max_restarts.
+        segments: segments of this stage already ended by a requeue (``ledger.segments_used``);
+            ``max_segments``: slurm.max_segments (None: no cap).
         cancel: ``v4launch cancel`` asked this job to stop.
         time_left_s: seconds between the moment the signal was caught and the job's EndTime in
             Slurm's record (None if unknown).
@@ -145,11 +151,13 @@ def after_stop(signal_name: str, slurm_state: str | None, restarts: int, max_res
         # what may be a plain scancel by requeueing; `v4launch resume` continues the run.
         return Decision("exit", "exit", f"ended by Slurm ({signal_name}, reason unknown); checkpoint saved, "
                                         "not requeued")
-    if restarts >= max_restarts:
+    if max_segments is not None and segments + 1 >= max_segments:
         return Decision("exit", "budget_exhausted",
-                        f"{reason} ({signal_name}) after {restarts} restart(s): slurm.max_restarts={max_restarts} used up")
+                        f"{reason} ({signal_name}) at the end of segment {segments + 1} of this stage: "
+                        f"slurm.max_segments={max_segments} used up; checkpoint saved (`v4launch resume` continues)")
+    cap = "" if max_segments is None else f" of at most {max_segments}"
     return Decision("requeue", "requeue", f"{reason} ({signal_name}): checkpoint saved, requeued "
-                                          f"(restart {restarts + 1} of {max_restarts})")
+                                          f"(segment {segments + 2}{cap} of this stage)")
 
 
 def on_start(restart_count: int, events: list[Event], job_id: str, max_restarts: int) -> list[tuple[str, str]]:
@@ -172,11 +180,12 @@ def on_start(restart_count: int, events: list[Event], job_id: str, max_restarts:
         return [("exit", f"requeued after it had ended ({ended[-1].event}): not training again")]
     if not mine or mine[-1].event != "requeue":  # killed without our handler running (node failure, SIGKILL)
         out.append(("requeue", "requeued by Slurm without a checkpoint signal (node failure or kill)"))
-    used = sum(1 for e in events if e.event == "requeue") + len(out)
+    used = ledger.restarts_used(events) + len(out)  # failures only: a time-limit requeue is a planned segment
     if used > max_restarts:
-        out.append(("budget_exhausted", f"{used} restarts > slurm.max_restarts={max_restarts}: not training again"))
+        out.append(("budget_exhausted", f"{used} failures > slurm.max_restarts={max_restarts}: not training again"))
         return out
-    out.append(("restart", f"restart {restart_count} (Slurm), {used} of {max_restarts} used by the run"))
+    out.append(("restart", f"restart {restart_count} (Slurm), {used} failure(s) of slurm.max_restarts={max_restarts} "
+                           "used by the run"))
     return out
 
 

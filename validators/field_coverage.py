@@ -167,6 +167,7 @@ COVERAGE: dict[str, Coverage] = {
     "slurm.container_mounts": Honoured(EXECUTOR),
     "slurm.additional_parameters": Honoured(EXECUTOR),
     "slurm.max_restarts": Honoured("v4launch.slurm.render:make_executor"),
+    "slurm.max_segments": Honoured("v4launch.slurm.job:SlurmTrainJob._after_stop"),
     "slurm.master_port": Honoured("v4launch.slurm.job:SlurmTrainJob.__call__"),
 }
 """Field path → how the job honours or refuses it (module docstring)."""

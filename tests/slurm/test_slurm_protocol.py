@@ -40,8 +40,10 @@ def test_time_limit_checkpoints_requeues_and_finishes(workspace):
     assert events(run_dir, "restart")
 
 
-def test_restart_budget_stops_a_preemption_loop(workspace):
-    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=400", "slurm.max_restarts=1"])
+def test_signal_requeues_are_segments_not_failures_and_the_segment_cap_stops_a_loop(workspace):
+    # max_restarts=0: a failure would stop the run at once; a checkpointed requeue is a planned segment and goes on
+    run_dir, job = submit_standin([*FAST, "curriculum.stages.0.steps=400", "slurm.max_restarts=0",
+                                   "slurm.max_segments=2"])
     for n in (1, 2):
         wait_for(f"attempt {n} to make progress",
                  lambda: [r for r in train_records(run_dir) if r["restart"] == str(n - 1) and r["step"] >= 2], 240,
@@ -50,7 +52,9 @@ def test_restart_budget_stops_a_preemption_loop(workspace):
         wait_for(f"attempt {n} to handle the signal", lambda: len(events(run_dir, "signal")) >= n, 120, run_dir)
     wait_for("the job to leave the queue", lambda: queue_empty(run_dir), 120, run_dir)
     (exhausted,) = events(run_dir, "budget_exhausted")
-    assert "slurm.max_restarts=1" in exhausted["detail"]
+    assert "slurm.max_segments=2" in exhausted["detail"]
+    (requeued,) = [e for e in events(run_dir, "requeue")]
+    assert "segment 2 of at most 2" in requeued["detail"], requeued
     status = cli("status", "--json", cwd=workspace)
     assert status.returncode == 1, status.stderr
     assert '"state": "failed"' in status.stdout and "RestartBudgetExhausted" in status.stdout

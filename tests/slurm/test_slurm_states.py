@@ -57,8 +57,8 @@ def test_normalise_and_run_state():
 
 
 # ------------------------------------------------------------------ decisions after a stop
-def stop(signal="USR2", state="RUNNING", restarts=0, budget=5, cancel=False, left=3600):
-    return after_stop(signal, state, restarts, budget, cancel=cancel, time_left_s=left, signal_delay_s=120)
+def stop(signal="USR2", state="RUNNING", segments=0, cap=None, cancel=False, left=3600):
+    return after_stop(signal, state, segments, cap, cancel=cancel, time_left_s=left, signal_delay_s=120)
 
 
 def test_preemption_notice_requeues():
@@ -93,15 +93,35 @@ def test_timeout_and_preempted_states_requeue():
     assert stop("SIGTERM", state="PREEMPTED").action == "requeue" and stop("USR2", state=None).action == "requeue"
 
 
-def test_budget_stops_a_crash_loop():
-    assert stop(restarts=4, budget=5).action == "requeue"
-    d = stop(restarts=5, budget=5)
-    assert (d.action, d.event) == ("exit", "budget_exhausted") and "slurm.max_restarts=5" in d.detail
-    assert stop(restarts=0, budget=0).event == "budget_exhausted"
+def test_time_limit_requeues_are_planned_segments_without_a_cap():
+    # a multi-week stage in 4-hour jobs: the 500th time limit is requeued like the first (issue 41)
+    for used in (0, 5, 499):
+        d = stop(segments=used, left=100)
+        assert (d.action, d.event) == ("requeue", "requeue") and d.detail.startswith("time limit (USR2)")
+        assert f"segment {used + 2} of this stage" in d.detail and "max_restarts" not in d.detail
+
+
+def test_the_segment_cap_stops_the_stage_after_its_last_segment():
+    assert stop(segments=3, cap=5).action == "requeue" and "segment 5 of at most 5" in stop(segments=3, cap=5).detail
+    d = stop(segments=4, cap=5)  # the 5th job of the stage ends: no 6th
+    assert (d.action, d.event) == ("exit", "budget_exhausted") and "slurm.max_segments=5" in d.detail
+    assert stop(segments=0, cap=1).event == "budget_exhausted"
+    assert stop(segments=9, cap=5, cancel=True).event == "exit"  # a cancel is a cancel
+
+
+def test_segment_requeues_do_not_use_the_failure_budget():
+    planned = [ev("start"), ev("requeue", detail="time limit (USR2): checkpoint saved, requeued (segment 2 of this stage)"),
+               ev("restart"), ev("requeue", detail="preemption (SIGTERM): requeued by Slurm; checkpoint saved")]
+    assert ledger.restarts_used(planned) == 0 and ledger.segments_used(planned) == 2
+    assert [e for e, _ in on_start(2, planned, "7", 0)] == ["restart"]  # max_restarts=0 and still trains
+    failed = [*planned, ev("restart")]  # then killed without its handler: Slurm restarts it, a failure
+    out = on_start(3, failed, "7", 0)
+    assert [e for e, _ in out] == ["requeue", "budget_exhausted"] and "slurm.max_restarts=0" in out[-1][1]
+    assert [e for e, _ in on_start(3, failed, "7", 1)] == ["requeue", "restart"]
 
 
 def test_requeue_outcome():
-    d = Decision("requeue", "requeue", "preemption (SIGTERM): checkpoint saved, requeued (restart 1 of 5)")
+    d = Decision("requeue", "requeue", "preemption (SIGTERM): checkpoint saved, requeued (segment 2 of this stage)")
     assert requeue_outcome(d, None) == d
     assert requeue_outcome(d, "Job is pending execution for job 7").detail.count("requeued by Slurm") == 1
     failed = requeue_outcome(d, "Access/permission denied")
@@ -144,13 +164,16 @@ def test_ledger_roundtrip_and_queries(tmp_path):
     ledger.append(tmp_path, "5", "submit", stage=0)
     ledger.append(tmp_path, "5", "start")
     ledger.append(tmp_path, "5", "requeue", stage=0, step=12, detail="preemption")
+    ledger.append(tmp_path, "5", "requeue", stage=0, detail="requeued by Slurm without a checkpoint signal")
     ledger.append(tmp_path, "6", "submit", stage=1)
+    ledger.append(tmp_path, "6", "requeue", stage=1, detail="time limit (USR2): checkpoint saved")
     ledger.append(tmp_path, "6", "cancel")
     (tmp_path / "ledger.jsonl").open("a").write("{half a line\n")
     events = ledger.read(tmp_path)
-    assert ledger.job_ids(events) == ["5", "6"] and ledger.restarts_used(events) == 1
+    assert ledger.job_ids(events) == ["5", "6"] and ledger.restarts_used(events) == 1  # the one without a signal
+    assert ledger.segments_used(events) == 2 and ledger.segments_used(events, 1) == 1
     assert ledger.cancel_requested(events, "6") and not ledger.cancel_requested(events, "5")
-    assert [e.event for e in ledger.for_job(events, "5")] == ["submit", "start", "requeue"]
+    assert [e.event for e in ledger.for_job(events, "5")] == ["submit", "start", "requeue", "requeue"]
     assert events[2].step == 12 and events[2].stage == 0
 
 
@@ -255,11 +278,11 @@ def test_a_requeued_job_shows_its_requeue_reason_not_slurms_begin_time(tmp_path,
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     for event, detail in [("submit", ""), ("start", "host vm"), ("signal", "USR2: stopped after the step"),
-                          ("requeue", "preemption (USR2): checkpoint saved, requeued (restart 1 of 5) [Slurm state RUNNING]")]:
+                          ("requeue", "preemption (USR2): checkpoint saved, requeued (segment 2 of this stage) [Slurm state RUNNING]")]:
         ledger.append(run, "7", event, detail=detail)
     monkeypatch.setattr(query, "current_states", lambda ids: {"7": "PENDING"})
     monkeypatch.setattr(query, "pending_reasons", lambda ids: {"7": "BeginTime: its begin time has not come yet"})
     (row,) = launcher.job_rows(run, recipe)
     assert row.state == "requeued"
-    assert row.detail.startswith("requeue: preemption (USR2): checkpoint saved, requeued (restart 1 of 5)")
+    assert row.detail.startswith("requeue: preemption (USR2): checkpoint saved, requeued (segment 2 of this stage)")
     assert "waiting to restart: BeginTime" in row.detail

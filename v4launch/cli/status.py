@@ -125,7 +125,9 @@ def status(run: RunArg = None, json_out: JsonOpt = False) -> None:
         if st.detail.get("launcher_gone"):
             OUT.console.print(f"note: {st.detail['launcher_gone']}", markup=False, highlight=False)
         restarts = st.detail.get("restarts")
-        budget = f"; restarts {restarts} of {st.detail.get('max_restarts')}" if restarts is not None else ""
+        budget = (f"; restarts {restarts}: {st.detail.get('segments', 0)} planned (time limit, preemption), "
+                  f"{st.detail.get('failures', 0)} failure(s) of slurm.max_restarts={st.detail.get('max_restarts')}"
+                  if restarts is not None else "")
         OUT.console.print(f"run state: [bold]{st.state}[/bold] (stage {_cell(st.stage)}, step {_cell(st.step)}{budget})")
         if set_aside:
             OUT.console.print(f"rolled back: {', '.join(set_aside)} set aside by `resume --checkpoint` (kept, never "
