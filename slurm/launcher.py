@@ -203,21 +203,30 @@ class SlurmLauncher(Launcher):
         if error:
             raise RefusedError(f"scancel {' '.join(live)} failed: {error}", hint="check `squeue` and retry")
 
-    def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """Rank 0's job log of every job of the run in order; with ``follow``, keep yielding from the live
-        job, and from the jobs it chains, until none is live. A job's stdout and stderr are one stream
-        (``stderr_to_stdout``), so its lines come in the order they were written; a separate stderr
-        file (runs submitted by older versions) follows its stdout."""
+    def logs(self, run_dir: Path, follow: bool = False, rank: int | None = None,
+             tail: int | None = None) -> Iterator[str]:
+        """Rank 0's job log (or task ``rank``'s) of every job of the run in order; ``tail``: the last lines of each
+        job's log; with ``follow``, keep yielding from the live job, and from the jobs it chains, until none is
+        live. A job's stdout and stderr are one stream (``stderr_to_stdout``), so its lines come in the order they
+        were written; a separate stderr file (runs submitted by older versions) follows its stdout.
+
+        Raises:
+            UsageError: ``rank`` is not a rank of the run (0 .. cluster.nodes · gpus_per_node - 1)."""
+        from ..launchers import check_rank
+        from ..rundir import load_run
+
+        if rank is not None:
+            check_rank(run_dir, rank, load_run(run_dir).recipe.cluster.world_size)
         shown: set[str] = set()
         while True:
             new = [j for j in ledger.job_ids(ledger.read(run_dir)) if j not in shown]
             for job_id in new:
                 shown.add(job_id)
                 yield f"==> job {job_id} <=="
-                out, err = job_log_paths(run_dir, job_id)
+                out, err = job_log_paths(run_dir, job_id, task=rank or 0)
                 paths = [out, err] if err.exists() else [out]
                 alive = (lambda j=job_id: bool(query.queue_states([j]))) if follow else (lambda: False)
-                yield from follow_files(paths, alive)
+                yield from follow_files(paths, alive, tail=tail)
             if not follow or (not new and not self.live_jobs(run_dir)):
                 return
             if not new:

@@ -85,8 +85,13 @@ class Launcher(ABC):
         """Ask the run to stop: it finishes the current step, saves a checkpoint and exits."""
 
     @abstractmethod
-    def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """Lines of the run's log (rank 0 first); with ``follow`` keep yielding until the run ends."""
+    def logs(self, run_dir: Path, follow: bool = False, rank: int | None = None,
+             tail: int | None = None) -> Iterator[str]:
+        """Lines of the run's log (rank 0 first, or only ``rank``'s); ``tail``: only the last ``tail`` lines of each
+        log before following; with ``follow`` keep yielding until the run ends.
+
+        Raises:
+            UsageError: ``rank`` is not a rank of the run (0 .. world size - 1)."""
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -191,9 +196,29 @@ def files_status(run_dir: Path, launcher: str, state: str, detail: dict[str, Any
     return RunStatus(state=state, launcher=launcher, step=step, stage=rec.get("stage"), checkpoint=ckpt, detail=detail)
 
 
-def follow_files(paths: list[Path], still_running, poll_s: float = 1.0) -> Iterator[str]:
-    """Yield lines of ``paths`` as they grow while ``still_running()``; then the remainder."""
+def check_rank(run_dir: Path, rank: int | None, world: int) -> None:
+    """Refuse a ``--rank`` that is not a rank of the run.
+
+    Raises:
+        UsageError: ``rank`` outside 0 .. ``world`` - 1 (the message names the run's world size)."""
+    if rank is not None and not 0 <= rank < world:
+        raise UsageError(f"--rank {rank}: run {Path(run_dir).name} has ranks 0..{world - 1} (world size {world})",
+                         hint=f"pass --rank between 0 and {world - 1}, or leave it out for every rank's log")
+
+
+def follow_files(paths: list[Path], still_running, poll_s: float = 1.0, tail: int | None = None) -> Iterator[str]:
+    """Yield lines of ``paths`` as they grow while ``still_running()``; then the remainder. ``tail``: of what each
+    file holds at the start, only its last ``tail`` lines (None: all of it)."""
     offsets = {p: 0 for p in paths}
+    if tail is not None:
+        for p in paths:
+            try:
+                with p.open(errors="replace") as f:
+                    lines = f.read().splitlines()
+                    offsets[p] = f.tell()
+            except OSError:
+                continue
+            yield from (lines[-tail:] if tail > 0 else [])
     while True:
         running = still_running()
         for p in paths:
@@ -492,14 +517,27 @@ class LocalLauncher(Launcher):
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
 
-    def logs(self, run_dir: Path, follow: bool = False) -> Iterator[str]:
-        """rank0.log (then the other ranks' logs; the workers' stdout / stderr files when no rank logged yet);
-        with ``follow``, until the run leaves 'running'."""
+    def logs(self, run_dir: Path, follow: bool = False, rank: int | None = None,
+             tail: int | None = None) -> Iterator[str]:
+        """rank0.log (then the other ranks' logs; the workers' stdout / stderr files when no rank logged yet), or
+        only ``rank``'s (its rank log, else its worker output); ``tail``: the last lines of each; with ``follow``,
+        until the run leaves 'running'.
+
+        Raises:
+            UsageError: ``rank`` is not a rank of the run."""
+        from .rundir import load_run
+
         logs = RunPaths(Path(run_dir)).logs
-        paths = sorted(logs.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
-        if not paths:  # stopped before any rank logged: the workers' own output (e.g. a traceback at start-up)
-            paths = sorted(logs.glob("worker*.out"), key=lambda p: (len(p.name), p.name)) or [logs / "rank0.log"]
-        yield from follow_files(paths, (lambda: self.status(run_dir).state == RUNNING) if follow else (lambda: False))
+        if rank is not None:
+            check_rank(run_dir, rank, read_launch(run_dir).get("world_size") or load_run(run_dir).recipe.cluster.world_size)
+            own = logs / f"rank{rank}.log"
+            paths = [own if own.exists() or not (logs / f"worker{rank}.out").exists() else logs / f"worker{rank}.out"]
+        else:
+            paths = sorted(logs.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
+            if not paths:  # stopped before any rank logged: the workers' own output (e.g. a traceback at start-up)
+                paths = sorted(logs.glob("worker*.out"), key=lambda p: (len(p.name), p.name)) or [logs / "rank0.log"]
+        running = (lambda: self.status(run_dir).state == RUNNING) if follow else (lambda: False)
+        yield from follow_files(paths, running, tail=tail)
 
 
 def launcher_for(run_dir: Path) -> Launcher:

@@ -19,7 +19,7 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import cancel, checkpoint, data, explain, logs, resume, run, status, submit, validate
+    from . import cancel, checkpoint, data, explain, logs, resume, run, runs, status, submit, validate
 
     app.command("validate", help=validate.HELP, epilog=validate.EXAMPLES)(validate.validate)
     app.command("explain", help=explain.HELP, epilog=explain.EXAMPLES)(explain.explain)
@@ -29,6 +29,7 @@ def _register() -> None:
     app.add_typer(checkpoint.app, name="checkpoint", help=checkpoint.HELP)
     app.command("submit", help=submit.HELP, epilog=submit.EXAMPLES)(submit.submit)
     app.command("status", help=status.HELP, epilog=status.EXAMPLES)(status.status)
+    app.command("runs", help=runs.HELP, epilog=runs.EXAMPLES)(runs.runs)
     app.command("logs", help=logs.HELP, epilog=logs.EXAMPLES)(logs.logs)
     app.command("cancel", help=cancel.HELP, epilog=cancel.EXAMPLES)(cancel.cancel)
 
