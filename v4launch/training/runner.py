@@ -425,7 +425,7 @@ class Runner:
         p = self.progress
         p.step, p.step_in_stage = p.step + 1, p.step_in_stage + 1
         rec = {"kind": "train", "stage": plan.name, "stage_index": plan.index, "phase": self.model.phase,
-               "step": p.step, "data_epoch": newest_epoch(batches), "dp": plan.dp, "cp": plan.cp, "pp": plan.pp,
+               "step": p.step, "step_in_stage": p.step_in_stage, "data_epoch": newest_epoch(batches), "dp": plan.dp, "cp": plan.cp, "pp": plan.pp,
                "lr": lr, "muon_lr": muon_lr,
                "loss_weights": {"indexer_kl": weights.indexer_kl, "balance": weights.balance, "mtp": weights.mtp}}
         interval = self.recipe.logging.interval_steps
