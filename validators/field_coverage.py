@@ -121,6 +121,8 @@ COVERAGE: dict[str, Coverage] = {
     "cluster.gpus_per_node": Honoured(SBATCH),
     "cluster.gpu_memory_gib": Honoured("v4launch.validators.memory_plan:budget_bytes"),
     "cluster.host_memory_gib": Checked("V4-HOST-MEMORY", "cluster.host_memory_gib=100"),
+    "cluster.intra_node_gb_per_s": Honoured("v4launch.validators.time_plan:link_gb_s"),
+    "cluster.inter_node_gb_per_s": Honoured("v4launch.validators.time_plan:link_gb_s"),
     **{f"curriculum.stages.*.{f}": Honoured(PLAN)
        for f in ("name", "seq_len", "phase", "indexer_loss", "kernel_backend", "tokens", "steps", "lr")},
     "curriculum.stages.*.cp": Honoured(PLAN, via=STAGE_CP),

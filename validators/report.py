@@ -8,6 +8,7 @@ from typing import Any, Callable
 from .figures import stage_figures
 from .rules import RULES, Checked, Context, Finding, NotApplicable, Rule
 from .schema.recipe import Recipe
+from .time_plan import time_plan
 
 Status = str  # "pass" | "fail" | "warn" | "n/a"
 
@@ -71,6 +72,8 @@ class Report:
     recipe_results: tuple[RuleResult, ...]
     stages: tuple[StageResult, ...]
     all_results: tuple[RuleResult, ...] = field(repr=False, default=())
+    time: dict[str, Any] | None = None
+    """The time plan (``time_plan.TimePlan.to_dict``: per stage, totals, assumptions); None without an estimate."""
 
     @property
     def violations(self) -> list[Violation]:
@@ -98,6 +101,7 @@ class Report:
             "warnings": [v.to_dict() for v in self.warnings],
             "recipe_results": [r.to_dict() for r in self.recipe_results],
             "stages": [s.to_dict() for s in self.stages],
+            "time_plan": self.time,
         }
 
 
@@ -141,6 +145,15 @@ def _figures(recipe: Recipe, stage: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def _time(recipe: Recipe) -> dict[str, Any] | None:
+    """The curriculum's time plan as a dict, None when there is none (a CPU target, DP undefined)."""
+    try:
+        plan = time_plan(recipe)
+    except Exception:  # informative, as the figures; a recipe odd enough to break it is reported by the rules
+        return None
+    return plan.to_dict() if plan else None
+
+
 def validate_recipe(recipe: Any, source_of: Callable[[str], str] | None = None) -> Report:
     """Check ``recipe`` against every contract rule and return the report (never raises on violations).
 
@@ -158,10 +171,13 @@ def validate_recipe(recipe: Any, source_of: Callable[[str], str] | None = None) 
     where = source_of or (lambda _field: "-")
     recipe_ctx = Context(recipe)
     recipe_results = tuple(_run(r, recipe_ctx, where) for r in RULES.values() if r.scope == "recipe")
+    plan = _time(recipe)
     stages = []
     for i, stage in enumerate(recipe.curriculum.stages):
         ctx = Context(recipe, i)
         results = tuple(_run(r, ctx, where) for r in RULES.values() if r.scope == "stage")
-        stages.append(StageResult(i, stage.name, stage.phase, results, _figures(recipe, stage)))
+        figures = _figures(recipe, stage)
+        figures["time"] = plan["stages"][i] if plan else None
+        stages.append(StageResult(i, stage.name, stage.phase, results, figures))
     everything = recipe_results + tuple(r for s in stages for r in s.results)
-    return Report(recipe.name, path, recipe_results, tuple(stages), everything)
+    return Report(recipe.name, path, recipe_results, tuple(stages), everything, plan)

@@ -25,8 +25,9 @@ from v4launch.validators.schema import Recipe
 
 JOB_PACKAGES = ("v4launch.training.", "v4launch.data.", "v4launch.slurm.", "v4launch.checkpoints.", "v4launch.rundir",
                 "v4launch.cli.", "v4launch.model.parallel.")  # model.parallel: the seam the job applies
-VALIDATOR_READERS = {"cluster.gpu_memory_gib"}
-"""Fields whose reader is the validator itself: a budget the memory plan checks (nothing else uses it)."""
+VALIDATOR_READERS = {"cluster.gpu_memory_gib", "cluster.intra_node_gb_per_s", "cluster.inter_node_gb_per_s"}
+"""Fields whose reader is the validator itself: a budget the memory plan checks, the bandwidths the time plan
+divides communication bytes by (nothing else uses them)."""
 
 
 def schema_paths(model: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:

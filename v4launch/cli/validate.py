@@ -216,6 +216,38 @@ def _memory_table(report: Report) -> Table | None:
     return table
 
 
+def _duration(seconds: float) -> str:
+    """A wall time as the time plan prints it: '42 s', '3.2 h', '12.4 d'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _time_table(report: Report) -> tuple[Table, str] | None:
+    """The time plan (``validators/time_plan.py``): one row per stage and the total, then what it assumes."""
+    plan = report.time
+    if not plan:
+        return None
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("stage", "steps", "tokens/step", "step s", "compute · EP · CP · DP s", "wall", "GPU-h", "segments"):
+        table.add_column(name, justify="left" if name.startswith(("stage", "compute")) else "right")
+    for s in plan["stages"]:
+        parts = " · ".join(f"{s[k]:.1f}" for k in ("compute_s", "ep_s", "cp_s", "dp_s"))
+        table.add_row(s["name"], f"{s['steps']:,}", f"{s['tokens_per_step']:,}", f"{s['step_s']:.2f}", parts,
+                      _duration(s["wall_s"]), f"{s['gpu_hours']:,.0f}", str(s["segments"]))
+    t = plan["total"]
+    table.add_row(Text("total", style="bold"), f"{t['steps']:,}", "", "", "", Text(_duration(t["wall_s"]), style="bold"),
+                  Text(f"{t['gpu_hours']:,.0f}", style="bold"), str(t["segments"]))
+    a = plan["assumptions"]
+    note = (f"{a['world']} x {a['gpu']} at {a['achieved_fraction_of_peak']:.1%} of {a['peak_tflops']:.0f} TFLOPS "
+            f"(measured on H200: {a['calibration']}); links {a['intra_node_gb_per_s']:.0f} GB/s in a node, "
+            f"{a['inter_node_gb_per_s']:.0f} GB/s between nodes; segments of {a['segment_s'] / 60:.0f} min of "
+            "training; no overlap of communication with compute, no restarts (docs/time-plan.md)")
+    return table, note
+
+
 def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None) -> None:
     """Print the human report: header, recipe-wide rules, one block per stage, summary.
 
@@ -257,6 +289,11 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
             con.print(Text("whole-layer recompute: a layer's compressed KV, CP boundary rows and top-k exist only while "
                            "backward re-runs it, so they are counted in backward transients (their own rows read 0)",
                            style="dim"))
+    timed = _time_table(report)
+    if timed is not None:
+        con.print("\n[bold]time plan[/bold] (estimated, per stage; `v4launch explain V4-SLURM-SEGMENTS`)")
+        con.print(timed[0])
+        con.print(Text(timed[1], style="dim"))
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
     con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "

@@ -1,0 +1,299 @@
+"""How long each curriculum stage takes and what it costs: steps, step time, wall time, GPU-hours (pure Python).
+
+``time_plan(recipe) -> TimePlan`` estimates, per stage, the seconds of one optimizer step on the cluster the
+recipe names, as compute plus the terms one GPU cannot measure (docs/time-plan.md says what is counted and
+what is not):
+
+* compute: the step's FLOPs (``cost_model.unit_costs``: forward FLOPs per token of every layer, x3 for
+  forward + backward, plus one more forward of every decoder / MTP layer under whole-layer recompute)
+  spread over the world's GPUs, at an achieved fraction of the GPU's data-sheet bf16 peak that was measured on
+  this product's own H200 runs (:data:`CALIBRATIONS`); x the pipeline's balance (max / mean stage cost) and
+  its bubble ``(pp - 1) / (vpp · micro-batches)`` (1F1B, interleaved when vpp > 1);
+* EP all-to-all: each token's K routed rows of ``dim`` bf16 sent out and back in forward, again in
+  backward (and in the recompute), the share bound for other nodes over ``cluster.inter_node_gb_per_s``,
+  the rest over ``cluster.intra_node_gb_per_s`` (both links at once: the slower side counts);
+* CP exchange: every compressed layer's all-gather of compressed entries (``derived``) and the boundary rows,
+  forward, backward (the gradient of the gathered buffer) and the recompute;
+* data parallel: FSDP2 (``parallel.distributed_optimizer``) gathers the stage's dense parameters in forward
+  and backward and reduce-scatters their gradients, per micro-batch; without it, one gradient all-reduce per
+  step; routed experts replicated over dp·cp / ep all-reduce their gradients.
+
+No term is assumed to overlap another (the communication adds to the compute: an upper bound where the job
+overlaps). Units: seconds, FLOPs, bytes, GB/s = 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from math import ceil
+from typing import Any
+
+from . import derived
+from .cost_model import _common, _ratio, balance_ratio, stage_costs, unit_costs
+from .layout import Layout
+from .memory_storage import stored_low
+from .param_count import model_params
+from .pipeline_schedule import PlanUnavailable, virtual_stages
+from .schema.cluster import GPU_INTERCONNECT_GB_S, GPU_PEAK_BF16_TFLOPS
+from .schema.curriculum import Stage
+from .schema.recipe import Recipe
+
+H200_PEAK_FLOPS = GPU_PEAK_BF16_TFLOPS["H200"] * 1e12
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """An achieved throughput measured on one H200: FLOPs of this module's count / measured seconds.
+
+    Attributes:
+        name: what was measured (``label``: in a few words). source: the committed result file (and the row in it).
+        flops_per_s: achieved FLOP/s on the H200 (this module's FLOP count of the measured step / its time).
+        applies: which recipes take it (``calibration_for``).
+    """
+
+    name: str
+    source: str
+    flops_per_s: float
+    applies: str
+    label: str
+
+    @property
+    def fraction_of_peak(self) -> float:
+        """flops_per_s / the H200's data-sheet dense bf16 peak (989 TFLOPS)."""
+        return self.flops_per_s / H200_PEAK_FLOPS
+
+
+CALIBRATIONS = {
+    "graph": Calibration(
+        "bench_h200 shape (~1.1 B, dim 1024, 16 heads), 8,192 tokens per step, sparse, compiled + CUDA graph, "
+        "bf16 parameters, AdamW step included: 121.6 ms",
+        "benchmarks/results/train_step_h200_2026-12-03_19e7493_sparse_span_columns.json rows[0].ms",
+        245.1e12, "compile.enable and compile.cuda_graph", "the ~1.1 B bench step, compiled + CUDA graph"),
+    "eager": Calibration(
+        "4 Flash-width layers (dim 4096, 64 heads x 512, CSA/HCA), 65,536 tokens, sparse, eager, fp32 parameters "
+        "under bf16 autocast, whole-layer recompute, forward + backward: 7.00 s",
+        "benchmarks/results/offload_step_h200_2026-12-04_792dd3b.json rows.full.ms",
+        140.9e12, "every other recipe (eager)", "4 Flash-width layers at 64K, eager, whole-layer recompute"),
+}
+"""The two H200 measurements the compute term is calibrated on (tests/validators/test_time_plan.py holds the
+plan to both files, and to the dense-phase bench file it was not fitted on, within 20%)."""
+
+
+def calibration_for(recipe: Recipe) -> Calibration:
+    """The measured throughput whose settings the recipe runs: a compiled, graph-replayed step (the bench),
+    else the eager Flash-width step."""
+    c = recipe.compile
+    return CALIBRATIONS["graph" if c.enable and c.cuda_graph else "eager"]
+
+
+def peak_flops(recipe: Recipe) -> float | None:
+    """Data-sheet dense bf16 FLOP/s of ``cluster.gpu`` (None for CPU runs: no estimate)."""
+    tflops = GPU_PEAK_BF16_TFLOPS.get(recipe.cluster.gpu)
+    return None if tflops is None else tflops * 1e12
+
+
+def link_gb_s(recipe: Recipe) -> tuple[float, float]:
+    """(intra-node, inter-node) GB/s per GPU, one direction: the cluster's fields, else the GPU model's defaults."""
+    c = recipe.cluster
+    intra, inter = GPU_INTERCONNECT_GB_S.get(c.gpu, (0.0, 0.0))
+    return (c.intra_node_gb_per_s or intra, c.inter_node_gb_per_s or inter)
+
+
+def step_flops_per_token(recipe: Recipe, stage: Stage) -> float:
+    """FLOPs of one trained token: 3x the forward FLOPs of every unit (``cost_model.unit_costs``), plus one more
+    forward of every decoder and MTP layer under ``recompute_granularity: full`` (or of the recomputed modules
+    under ``selective``: MoE, shared experts, the query up-projection)."""
+    m, p = recipe.model, recipe.parallel
+    units = unit_costs(m, stage.seq_len, stage.phase, recipe.attention.indexer_loss_coeff > 0)
+    fwd = sum(sum(v) for v in units.values())
+    layers = sum(units["t"]) + sum(units["m"])
+    if p.recompute_granularity == "full":
+        return 3 * fwd + layers
+    if p.recompute_granularity == "selective":
+        e, mods = m.moe, set(p.recompute_modules)
+        per_layer = 0.0
+        if mods & {"moe", "mlp"}:
+            per_layer += _common(m, False) - _common(m, True) + 2.0 * 3 * m.dim * e.moe_inter_dim * (
+                e.n_activated_experts + e.n_shared_experts)
+        elif "shared_experts" in mods:
+            per_layer += 2.0 * 3 * m.dim * e.moe_inter_dim * e.n_shared_experts
+        if "mla_up_proj" in mods:
+            per_layer += 2.0 * m.q_lora_rank * m.n_heads * m.head_dim
+        return 3 * fwd + per_layer * (m.n_layers + m.mtp.depth)
+    return 3 * fwd
+
+
+def _layout(recipe: Recipe, stage: Stage) -> tuple[float, int]:
+    """(max / mean cost of the virtual stages, MoE layers on the busiest pipeline rank)."""
+    m, p = recipe.model, recipe.parallel
+    try:
+        stages = virtual_stages(recipe)
+    except PlanUnavailable:
+        return 1.0, ceil((m.n_layers + m.mtp.depth) / p.pp)
+    units = unit_costs(m, stage.seq_len, stage.phase, recipe.attention.indexer_loss_coeff > 0)
+    costs = stage_costs(Layout(tuple(stages)), units)
+    per_rank = [sum(1 for s in stages[r::p.pp] for sym in s if sym in "tm") for r in range(p.pp)]
+    return (balance_ratio(costs) if len(costs) > 1 else 1.0), max(per_rank)
+
+
+def _group_seconds(nbytes: float, group: int, gpus_per_node: int, intra: float, inter: float, ring: bool) -> float:
+    """Seconds to move ``nbytes`` per GPU in a collective of ``group`` ranks (laid out over as few nodes as
+    possible). A ring (all-gather, reduce-scatter, all-reduce) runs at its slowest link; an all-to-all sends
+    each peer an equal share, the other nodes' share over the inter-node link while the rest crosses NVLink."""
+    if group <= 1 or nbytes <= 0:
+        return 0.0
+    if ring:
+        return nbytes / ((intra if group <= gpus_per_node else inter) * 1e9)
+    local = min(group, gpus_per_node) - 1
+    remote = group - 1 - local
+    return max(nbytes * local / (group - 1) / (intra * 1e9), nbytes * remote / (group - 1) / (inter * 1e9) if remote else 0.0)
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage's estimate (seconds unless named otherwise).
+
+    Attributes:
+        steps: optimizer steps (``steps``, or ``ceil(tokens / tokens_per_step)``). tokens_per_step: global.
+        flops_per_step: FLOPs of one step, all GPUs. compute_s: compute of one step on the busiest GPU,
+            balance and bubble included. ep_s, cp_s, dp_s: the communication terms of one step.
+        step_s: compute_s + ep_s + cp_s + dp_s. wall_s: steps x step_s. gpu_hours: wall_s / 3600 x world.
+        segments: Slurm jobs of ``slurm.time_min`` the stage needs (each gives ``time_min x 60 -
+            signal_delay_s`` seconds of training).
+    """
+
+    name: str
+    steps: int
+    tokens_per_step: int
+    flops_per_step: float
+    compute_s: float
+    bubble: float
+    ep_s: float
+    cp_s: float
+    dp_s: float
+    step_s: float
+    wall_s: float
+    gpu_hours: float
+    segments: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def segment_seconds(recipe: Recipe) -> float:
+    """Training seconds one Slurm job gives: ``slurm.time_min`` minus the checkpoint signal's lead."""
+    s = recipe.slurm
+    return max(1.0, s.time_min * 60.0 - s.signal_delay_s)
+
+
+def stage_time(recipe: Recipe, index: int) -> StageTime | None:
+    """The estimate of curriculum stage ``index``; None for a CPU target or a stage whose DP is undefined."""
+    peak = peak_flops(recipe)
+    stage = recipe.curriculum.stages[index]
+    dp = recipe.stage_dp(stage)
+    if peak is None or dp is None:
+        return None
+    m, p, c = recipe.model, recipe.parallel, recipe.cluster
+    cp, gpn = recipe.stage_cp(stage), c.gpus_per_node
+    intra, inter = link_gb_s(recipe)
+    batch = recipe.stage_global_batch(stage)
+    tokens = batch * stage.seq_len
+    steps = stage.steps if stage.steps is not None else ceil(stage.tokens / tokens)
+    flops = step_flops_per_token(recipe, stage) * tokens
+    achieved = peak * calibration_for(recipe).fraction_of_peak
+    balance, moe_layers = _layout(recipe, stage)
+    accum = max(1, batch // max(1, dp * p.micro_batch_size))
+    bubble = (p.pp - 1) / (p.vpp * accum) if p.pp > 1 else 0.0
+    compute = flops / c.world_size / achieved * balance * (1 + bubble)
+    passes = 3 if p.recompute_granularity == "full" else 2  # forward, backward (+ the recompute's forward)
+    local_tokens = tokens / (dp * cp)
+    a2a = local_tokens * moe_layers * m.moe.n_activated_experts * m.dim * 2 * 2 * passes * (p.ep - 1) / p.ep
+    ep_s = _group_seconds(a2a, p.ep, gpn, intra, inter, ring=False)
+    cp_s = _group_seconds(_cp_bytes(recipe, stage, cp) * batch / dp * moe_layers / max(1, m.n_layers + m.mtp.depth)
+                          * passes, cp, gpn, intra, inter, ring=True)
+    dp_s = _dp_seconds(recipe, dp * cp, accum, gpn, intra, inter)
+    step = compute + ep_s + cp_s + dp_s
+    wall = steps * step
+    return StageTime(stage.name, steps, tokens, flops, compute, bubble, ep_s, cp_s, dp_s, step, wall,
+                     wall / 3600 * c.world_size, ceil(wall / segment_seconds(recipe)))
+
+
+def _cp_bytes(recipe: Recipe, stage: Stage, cp: int) -> float:
+    """Bytes one CP rank receives per sequence in one pass over every layer: the other ranks' share of each
+    compressed layer's gathered entries (bf16 KV and, past the dense phase, indexer keys) and the left
+    neighbour's boundary rows (bf16, ``dim`` wide)."""
+    if cp <= 1:
+        return 0.0
+    m = recipe.model
+    ratios = [_ratio(m, i) for i in range(m.n_layers + m.mtp.depth)]
+    gathered = derived.allgather_bytes_total(stage.seq_len, ratios, kv_dim=m.head_dim, index_dim=m.indexer.head_dim,
+                                             with_indexer=stage.phase != "dense")
+    boundary = derived.boundary_width(m.window_size, m.compress_ratios) * m.dim * 2 * len(ratios)
+    return gathered * (cp - 1) / cp + boundary
+
+
+def _dp_seconds(recipe: Recipe, shard: int, accum: int, gpn: int, intra: float, inter: float) -> float:
+    """Data-parallel collectives of one step on the busiest pipeline rank (module docstring): dense parameters
+    at their stored width (bf16 under ``precision.params_dtype: bf16``, else fp32), routed experts' gradients
+    over their dp·cp / ep replicas."""
+    p = recipe.parallel
+    dense = routed = 0.0
+    for sp in model_params(recipe.model, "sparse"):
+        width = 2 if stored_low(recipe, sp) else 4
+        if sp.routed:
+            routed += sp.numel * width / p.ep
+        else:
+            dense += sp.numel * width
+    dense /= p.pp
+    routed /= p.pp
+    share = (shard - 1) / shard if shard > 1 else 0.0
+    if p.distributed_optimizer and shard > 1:  # FSDP2: gather forward + backward, reduce-scatter, per micro-batch
+        dense_s = _group_seconds(3 * accum * dense * share, shard, gpn, intra, inter, ring=True)
+    else:
+        dense_s = _group_seconds(2 * dense * share, shard, gpn, intra, inter, ring=True)
+    replicas = max(1, shard // p.ep)
+    routed_s = _group_seconds(2 * routed * (replicas - 1) / replicas, replicas, gpn, intra, inter, ring=True)
+    return dense_s + routed_s
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    """Every stage's estimate and the curriculum's totals (seconds, GPU-hours, steps, Slurm segments)."""
+
+    stages: tuple[StageTime, ...]
+    world: int
+    gpu: str
+    calibration: Calibration
+    peak_tflops: float
+    intra_node_gb_per_s: float
+    inter_node_gb_per_s: float
+    segment_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return sum(s.wall_s for s in self.stages)
+
+    @property
+    def gpu_hours(self) -> float:
+        return sum(s.gpu_hours for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": [s.to_dict() for s in self.stages],
+                "total": {"steps": sum(s.steps for s in self.stages), "wall_s": self.wall_s, "gpu_hours": self.gpu_hours,
+                          "segments": sum(s.segments for s in self.stages)},
+                "assumptions": {"gpu": self.gpu, "world": self.world, "peak_tflops": self.peak_tflops,
+                                "achieved_fraction_of_peak": round(self.calibration.fraction_of_peak, 4),
+                                "calibration": self.calibration.label, "calibration_measured": self.calibration.name,
+                                "calibration_source": self.calibration.source,
+                                "intra_node_gb_per_s": self.intra_node_gb_per_s,
+                                "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s}}
+
+
+def time_plan(recipe: Recipe) -> TimePlan | None:
+    """The whole curriculum's estimate; None when any stage has none (a CPU target, DP undefined)."""
+    stages = [stage_time(recipe, i) for i in range(len(recipe.curriculum.stages))]
+    if any(s is None for s in stages):
+        return None
+    intra, inter = link_gb_s(recipe)
+    return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, calibration_for(recipe),
+                    GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu], intra, inter, segment_seconds(recipe))
