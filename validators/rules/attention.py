@@ -113,7 +113,8 @@ def check_recompute_replay(ctx: Context):
 
 
 @rule("V4-OFFLOAD-QKV", fields=("parallel.offload_modules",), scope="recipe",
-      fix="remove 'qkv_linear' from parallel.offload_modules ('core_attn' offload is allowed)")
+      fix="set parallel.offload_modules=[] (the bundled job offloads no single module, V4-UNIMPL-OFFLOAD; "
+          "parallel.cpu_offloading offloads each layer's input under whole-layer recompute)")
 def check_offload(ctx: Context):
     """QKV-linear activation offload is not supported by V4 hybrid attention.
 
@@ -126,7 +127,7 @@ def check_offload(ctx: Context):
 
 
 @rule("V4-KERNEL-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
-      fix="use kernel_backend=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
+      fix="set the kernel_backend to reference; or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
 def check_kernel_sm(ctx: Context):
     """Fused kernel backends (triton, cudnn) need an SM90-or-newer GPU.
 
@@ -138,13 +139,13 @@ def check_kernel_sm(ctx: Context):
     if ctx.sm is None or ctx.sm < 90:
         where = "a CPU target" if ctx.sm is None else f"SM{ctx.sm}"
         return ctx.finding(ctx.backend_field, backend, f"fused backend '{backend}' on cluster.gpu={ctx.recipe.cluster.gpu} ({where})",
-                           f"set {ctx.backend_field}=reference, or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
+                           f"set {ctx.backend_field}=reference; or target an SM90+ GPU (cluster.gpu: H100, H200, B200, …)")
     return ctx.ok(ctx.backend_field, backend, f"SM{ctx.sm}")
 
 
 @rule("V4-KERNEL-TRITON-SM90", fields=("attention.kernel_backend", "curriculum.stages.*.kernel_backend", "cluster.gpu"),
       severity="warning",
-      fix="set kernel_backend=reference for this GPU (what the job runs there anyway), or target H100/H200 (SM90)")
+      fix="set the kernel_backend to reference for this GPU (what the job runs there anyway); or target H100/H200 (SM90)")
 def check_triton_sm90_only(ctx: Context):
     """The triton backend runs its kernels on SM90 only; on a newer GPU the job runs the reference attention.
 
@@ -159,7 +160,9 @@ def check_triton_sm90_only(ctx: Context):
         return ctx.ok(ctx.backend_field, "triton", "SM90")
     return ctx.finding(ctx.backend_field, "triton",
                        f"kernel_backend 'triton' on cluster.gpu={ctx.recipe.cluster.gpu} (SM{ctx.sm}): the Triton kernels "
-                       "run on SM90 only, so this stage would run the reference attention")
+                       "run on SM90 only, so this stage would run the reference attention",
+                       f"set {ctx.backend_field}=reference (what the job runs on SM{ctx.sm} anyway); or target "
+                       "H100/H200 (SM90)")
 
 
 @rule("V4-SM90-DENSE-LOSS", fields=("cluster.gpu", "attention.kernel_backend", "curriculum.stages.*.phase",
@@ -183,7 +186,7 @@ def check_sm90_dense_loss(ctx: Context):
     if s.effective_indexer_loss == "dense":
         fix = f"set {ctx.stage_path('kernel_backend')}=reference"
         if s.phase == "sparse":  # a dense override of a sparse stage: the job trains the sparse target
-            fix = f"remove {ctx.stage_path('indexer_loss')} (set it to null)"
+            fix = f"set {ctx.stage_path('indexer_loss')}=null (the phase sets the KL target)"
         return ctx.finding(field, value, f"dense indexer loss with fused '{ctx.backend}' kernels on SM{sm}", fix)
     return ctx.ok(field, value)
 
@@ -200,5 +203,29 @@ def check_kernel_available(ctx: Context):
         return ctx.finding(ctx.backend_field, ctx.backend,
                            "kernel_backend 'cudnn' (FlashMLA + cuDNN DSA) is not available in the bundled model: "
                            "the job would stop at its first forward",
-                           f"set {ctx.backend_field}=reference (or triton on SM90)")
+                           _available_fix(ctx))
     return ctx.ok(ctx.backend_field, ctx.backend)
+
+
+def _dense_kl_refuses_fused(ctx: Context, stage) -> bool:
+    """V4-SM90-DENSE-LOSS would refuse fused kernels in ``stage`` (on SM90: a non-dense stage training the dense KL
+    target, with an indexer loss and ratio-4 layers)."""
+    return (ctx.sm is not None and ctx.sm // 10 == 9 and 4 in ctx.all_ratios and stage.phase != "dense"
+            and ctx.recipe.attention.indexer_loss_coeff > 0 and stage.effective_indexer_loss == "dense")
+
+
+def _available_fix(ctx: Context) -> str:
+    """V4-KERNEL-AVAILABLE's fix: reference, or on SM90 triton with each stage that reads the same field and that
+    V4-SM90-DENSE-LOSS would refuse fused kernels for set to reference, so the kernel rules agree."""
+    field, stages = ctx.backend_field, ctx.recipe.curriculum.stages
+    first = f"set {field}=reference"
+    if ctx.sm != 90:
+        return first + " (the triton kernels run on SM90 only: V4-KERNEL-TRITON-SM90)"
+    own = field.startswith("curriculum.")
+    readers = [ctx.index] if own else [i for i, st in enumerate(stages) if st.kernel_backend is None]
+    refused = [i for i in readers if _dense_kl_refuses_fused(ctx, stages[i])]
+    if own and refused:
+        return first + " (a warm-up stage on SM90 trains the dense KL target with reference kernels: V4-SM90-DENSE-LOSS)"
+    alt = f"{field}=triton" + "".join(f" curriculum.stages.{i}.kernel_backend=reference" for i in refused)
+    return (f"{first}, or {alt} (the fused kernels on SM90" +
+            ("; the warm-up stages on reference: V4-SM90-DENSE-LOSS)" if refused else ")"))

@@ -10,7 +10,7 @@ CP_CUTE_SMS = frozenset({90, 100, 103})
 
 
 @rule("V4-CP-THD", fields=("parallel.qkv_format", "parallel.cp", "curriculum.stages.*.cp"),
-      fix="set parallel.qkv_format=thd (packed sequences), or CP=1 for this stage")
+      fix="set parallel.qkv_format=thd (packed sequences; CP=1 for the stage is the other way out)")
 def check_cp_thd(ctx: Context):
     """CP > 1 requires packed THD input (qkv_format=thd); BSHD is rejected.
 
@@ -74,7 +74,7 @@ def check_cp_boundary(ctx: Context):
 
 
 @rule("V4-CP-DIVISIBLE", fields=("curriculum.stages.*.seq_len", "parallel.cp", "curriculum.stages.*.cp"),
-      fix="make the stage's seq_len a multiple of its CP size")
+      fix="set the stage's seq_len to a multiple of its CP size")
 def check_cp_divisible(ctx: Context):
     """seq_len must be divisible by CP (every rank holds the same number of contiguous rows).
 
@@ -83,7 +83,9 @@ def check_cp_divisible(ctx: Context):
     if ctx.cp == 1:
         return ctx.na("CP = 1")
     if ctx.seq_len % ctx.cp:
-        return ctx.finding(ctx.stage_path("seq_len"), ctx.seq_len, f"seq_len {ctx.seq_len} is not divisible by cp={ctx.cp}")
+        up = -(-ctx.seq_len // ctx.cp) * ctx.cp
+        return ctx.finding(ctx.stage_path("seq_len"), ctx.seq_len, f"seq_len {ctx.seq_len} is not divisible by cp={ctx.cp}",
+                           f"set {ctx.stage_path('seq_len')}={up} (the next multiple of cp={ctx.cp})")
     return ctx.ok(ctx.stage_path("seq_len"), ctx.seq_len)
 
 

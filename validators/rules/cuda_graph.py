@@ -60,6 +60,13 @@ def _split_step(ctx: Context):
         return None
     what = ", ".join(f"{name}={value}" for name, value, _ in blocking)
     undo = " ".join(f"{name}={one}" for name, _, one in blocking)
+    r = ctx.recipe
+    for i, st in enumerate(r.curriculum.stages):  # the other stages' cp too: one alternative for the whole recipe
+        cp_field = f"curriculum.stages.{i}.cp" if st.cp is not None else "parallel.cp"
+        if r.stage_cp(st) > 1 and f"{cp_field}=1" not in undo.split():
+            undo += f" {cp_field}=1"
+    if par.pp > 1 and par.pp_layout is not None:  # one stage needs no layout (V4-PP-LAYOUT, V4-PP-VPP)
+        undo += " parallel.vpp=1 parallel.pp_layout=null" if par.vpp > 1 else " parallel.pp_layout=null"
     return ctx.finding(blocking[0][0], blocking[0][1], f"compile.cuda_graph=true with {what} in stage "
                        f"'{ctx.stage.name}': the captured step holds one GPU's forward and backward; pipeline sends, "
                        "context-parallel gathers, expert all-to-alls and FSDP's gathers would run inside it",

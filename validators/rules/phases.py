@@ -22,7 +22,7 @@ def check_indexer_trains(ctx: Context):
 
 
 @rule("V4-PHASE-DENSE-NO-INDEXER", fields=("curriculum.stages.*.phase", "curriculum.stages.*.indexer_loss"),
-      fix="remove the stage's indexer_loss (dense mode builds no indexer)")
+      fix="set the stage's indexer_loss to null (dense mode builds no indexer)")
 def check_dense_no_indexer(ctx: Context):
     """Dense mode builds no indexer, so a dense stage cannot choose an indexer-loss target.
 
@@ -33,7 +33,7 @@ def check_dense_no_indexer(ctx: Context):
         return ctx.na(f"phase={s.phase}")
     if s.indexer_loss is not None:
         return ctx.finding(ctx.stage_path("indexer_loss"), s.indexer_loss, "dense stage sets an indexer-loss target, but dense mode has no indexer",
-                           f"remove {ctx.stage_path('indexer_loss')} (set it to null)")
+                           f"set {ctx.stage_path('indexer_loss')}=null (dense mode builds no indexer)")
     return ctx.ok(ctx.stage_path("phase"), s.phase)
 
 
@@ -51,7 +51,8 @@ def check_indexer_target(ctx: Context):
     if s.indexer_loss != tied:
         return ctx.finding(ctx.stage_path("indexer_loss"), s.indexer_loss,
                            f"{s.phase} stage '{s.name}' asks for the {s.indexer_loss} KL target; the bundled model "
-                           f"ties it to the phase ({s.phase}: {tied})", f"remove {ctx.stage_path('indexer_loss')} (set it to null)")
+                           f"ties it to the phase ({s.phase}: {tied})",
+                           f"set {ctx.stage_path('indexer_loss')}=null (the phase sets the KL target)")
     return ctx.ok(ctx.stage_path("indexer_loss"), s.indexer_loss)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..cost_model import PP_BALANCE_THRESHOLD, balance_ratio, propose_layout, stage_costs, unit_costs
 from ..layout import LayoutSyntaxError, format_layout, parse_layout
 from ..memory_fixes import shell_word
-from .base import Context, rule
+from .base import RULES, Context, rule
 
 
 @rule("V4-PP-LAYOUT-SYNTAX", fields=("parallel.pp_layout",), scope="recipe",
@@ -52,6 +52,8 @@ def _proposed_layout_fix(ctx: Context) -> str | None:
     when the model is too large for the search or has fewer decoder layers than stages."""
     p, m = ctx.parallel, ctx.model
     n_stages = p.pp * p.vpp
+    if p.pp == 1 and p.vpp > 1:  # V4-PP-VPP refuses vpp without pp: the same fix, not a layout for vpp stages
+        return RULES["V4-PP-VPP"].fix
     if n_stages < 2 or m.n_layers < n_stages - 1:
         return None
     longest = max(ctx.recipe.curriculum.stages, key=lambda st: st.seq_len)
@@ -85,7 +87,7 @@ def check_mtp_with_loss(ctx: Context):
 
 
 @rule("V4-PP-HASH-FIRST", fields=("parallel.pp_layout", "model.moe.n_hash_layers"), scope="recipe",
-      fix="move stage boundaries so the first stage holds E and all hash-routed layers")
+      fix="set parallel.pp_layout to a layout whose first stage holds E and all hash-routed layers")
 def check_hash_first(ctx: Context):
     """Hash-routed MoE layers sit on the first pipeline stage, together with the embedding E.
 
@@ -98,7 +100,7 @@ def check_hash_first(ctx: Context):
     if "E" not in first or first.count("t") < n_hash:
         return ctx.finding("parallel.pp_layout", ctx.parallel.pp_layout,
                            f"first stage holds {first.count('t')} decoder layers{'' if 'E' in first else ' and no E'}, "
-                           f"but model.moe.n_hash_layers = {n_hash}")
+                           f"but model.moe.n_hash_layers = {n_hash}", _proposed_layout_fix(ctx))
     return ctx.ok("parallel.pp_layout", ctx.parallel.pp_layout)
 
 

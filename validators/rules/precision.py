@@ -7,7 +7,7 @@ from .base import Context, rule
 
 @rule("V4-PREC-BF16-PINS", fields=("precision.policy.compressor_gemm", "precision.policy.indexer_weights_proj",
                                    "precision.fp8_recipe"), scope="recipe",
-      fix="set precision.policy.compressor_gemm=bf16 and precision.policy.indexer_weights_proj=bf16")
+      fix="set precision.policy.compressor_gemm=bf16 precision.policy.indexer_weights_proj=bf16")
 def check_bf16_pins(ctx: Context):
     """Compressor GEMMs and the indexer head-weight projection stay BF16, also under an FP8 recipe.
 
@@ -20,7 +20,7 @@ def check_bf16_pins(ctx: Context):
 
 
 @rule("V4-PREC-FP32-PINS", fields=("precision.policy.ape", "precision.policy.attn_sink"), scope="recipe",
-      fix="set precision.policy.ape=fp32 and precision.policy.attn_sink=fp32")
+      fix="set precision.policy.ape=fp32 precision.policy.attn_sink=fp32")
 def check_fp32_pins(ctx: Context):
     """The compressor positional bias (ape) and the attention sink stay FP32: both feed a softmax directly.
 
@@ -33,7 +33,8 @@ def check_fp32_pins(ctx: Context):
 
 
 @rule("V4-PREC-INDEXER-QK", fields=("precision.policy.indexer_qk", "attention.indexer_qat"), scope="recipe",
-      fix="set precision.policy.indexer_qk=bf16, or opt in explicitly with attention.indexer_qat=true")
+      fix="set precision.policy.indexer_qk=bf16 (a low-precision indexer QK needs attention.indexer_qat, which the "
+          "bundled job does not implement: V4-UNIMPL-INDEXER-QAT)")
 def check_indexer_qk(ctx: Context):
     """The indexer QK stays high precision (BF16) unless low-precision indexer QAT is explicitly enabled.
 
@@ -47,7 +48,8 @@ def check_indexer_qk(ctx: Context):
 
 @rule("V4-PREC-FP32-DISTOPT-PP", fields=("precision.keep_fp32_params", "parallel.distributed_optimizer", "parallel.pp"),
       scope="recipe",
-      fix="set precision.keep_fp32_params=false (FP32 master copies keep update precision), or PP=1 / no distributed optimizer")
+      fix="set precision.keep_fp32_params=false (FP32 master copies keep update precision), or "
+          "parallel.distributed_optimizer=false")
 def check_fp32_distopt_pp(ctx: Context):
     """FP32-pinned parameters with the distributed optimizer at PP > 1 are rejected (mixed-dtype optimizer groups).
 
@@ -60,7 +62,8 @@ def check_fp32_distopt_pp(ctx: Context):
 
 
 @rule("V4-FP8-SM", fields=("precision.fp8_recipe", "cluster.gpu"), scope="recipe",
-      fix="use fp8_recipe=blockwise or delayed on SM89+ GPUs, or fp8_recipe=none (this job does not run mxfp8: V4-FP8-BUILD)")
+      fix="set precision.fp8_recipe=none (no FP8 GEMMs); or target an SM89+ GPU (H100, H200, B200) with blockwise or "
+          "delayed (this job does not run mxfp8: V4-FP8-BUILD)")
 def check_fp8_sm(ctx: Context):
     """An FP8 recipe needs FP8 tensor cores (SM89+); mxfp8 needs SM100+ (Blackwell).
 
@@ -91,8 +94,8 @@ def fp8_gemm_sizes(m) -> dict[str, int]:
 
 @rule("V4-FP8-BUILD", fields=("precision.fp8_recipe", "model.dim", "model.q_lora_rank", "model.head_dim",
                               "model.n_heads", "model.o_lora_rank", "model.o_groups", "model.moe.moe_inter_dim"),
-      scope="recipe", fix="set precision.fp8_recipe=none, or blockwise / delayed with model dimensions that are "
-                          "multiples of 16")
+      scope="recipe", fix="set precision.fp8_recipe=none (no FP8 GEMMs); or blockwise / delayed with model dimensions "
+                          "that are multiples of 16")
 def check_fp8_build(ctx: Context):
     """FP8 runs through torchao float8 in the bundled job: no mxfp8, and FP8 GEMM sizes are multiples of 16.
 

@@ -25,7 +25,7 @@ def tokenizer_json_vocab(path: str) -> int | None:
 
 
 @rule("V4-SOFTMAX-SCALE", fields=("model.rope.softmax_scale", "model.head_dim"), scope="recipe",
-      fix="remove model.rope.softmax_scale (null means head_dim**-0.5)")
+      fix="set model.rope.softmax_scale=null (null means head_dim**-0.5)")
 def check_softmax_scale(ctx: Context):
     """The attention softmax scale is head_dim**-0.5; a scale folding in the YaRN mscale is rejected.
 
@@ -57,7 +57,7 @@ def check_compress_theta(ctx: Context):
 
 
 @rule("V4-SEQ-MAXPOS", fields=("curriculum.stages.*.seq_len", "model.max_position_embeddings"),
-      fix="lower the stage's seq_len or raise model.max_position_embeddings (released: 1048576)")
+      fix="set model.max_position_embeddings to the longest seq_len (released: 1048576), or lower the stage's seq_len")
 def check_seq_maxpos(ctx: Context):
     """A stage's seq_len does not exceed model.max_position_embeddings.
 
@@ -65,7 +65,10 @@ def check_seq_maxpos(ctx: Context):
     """
     limit = ctx.model.max_position_embeddings
     if ctx.seq_len > limit:
-        return ctx.finding(ctx.stage_path("seq_len"), ctx.seq_len, f"seq_len {ctx.seq_len} > max_position_embeddings {limit}")
+        longest = max(st.seq_len for st in ctx.recipe.curriculum.stages)
+        return ctx.finding(ctx.stage_path("seq_len"), ctx.seq_len, f"seq_len {ctx.seq_len} > max_position_embeddings {limit}",
+                           f"set model.max_position_embeddings={longest} (the curriculum's longest seq_len; released: "
+                           f"1048576), or {ctx.stage_path('seq_len')}={limit}")
     return ctx.ok(ctx.stage_path("seq_len"), ctx.seq_len, f"≤ {limit}")
 
 
@@ -96,7 +99,8 @@ def check_vocab(ctx: Context):
     if need is None:
         return ctx.na(f"{tok} is not on this machine: checked when the data are prepared")
     if ctx.model.vocab_size < need:
-        return ctx.finding("model.vocab_size", ctx.model.vocab_size, f"vocab_size {ctx.model.vocab_size} < {need} tokens of the {tok} tokenizer")
+        return ctx.finding("model.vocab_size", ctx.model.vocab_size, f"vocab_size {ctx.model.vocab_size} < {need} tokens "
+                           f"of the {tok} tokenizer", f"set model.vocab_size={need} (the {tok} tokenizer's ids; more is fine)")
     return ctx.ok("model.vocab_size", ctx.model.vocab_size, f"≥ {need}")
 
 

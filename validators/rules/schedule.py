@@ -8,10 +8,12 @@ rank (global batch / (micro batch · dp)) as ``n_microbatches``.
 from __future__ import annotations
 
 from .base import Context, micro_batches, rule
+from .world import batch_fix
 
 
 @rule("V4-PP-VPP", fields=("parallel.vpp", "parallel.pp"), scope="recipe",
-      fix="set parallel.vpp=1 and parallel.pp_layout=null (one stage needs no layout), or raise parallel.pp above 1")
+      fix="set parallel.vpp=1 parallel.pp_layout=null (one pipeline stage needs no layout); or raise parallel.pp above 1 "
+          "with a layout of pp·vpp stages (V4-PP-LAYOUT proposes one)")
 def check_vpp_needs_pp(ctx: Context):
     """Virtual pipeline stages (vpp > 1) need more than one pipeline rank (pp > 1).
 
@@ -28,7 +30,7 @@ def check_vpp_needs_pp(ctx: Context):
 
 @rule("V4-PP-MICROBATCHES", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size",
                                     "parallel.micro_batch_size", "parallel.pp", "parallel.vpp"),
-      fix="raise the global batch to a multiple of micro_batch·dp·pp (at least pp micro-batches per rank)")
+      fix="set the global batch to a multiple of micro_batch·dp·pp (at least pp micro-batches per rank)")
 def check_pp_microbatches(ctx: Context):
     """Each rank runs at least pp micro-batches per step; with vpp > 1, a multiple of pp.
 
@@ -44,8 +46,6 @@ def check_pp_microbatches(ctx: Context):
     n = gbs // per_rank
     if n >= p.pp and (p.vpp == 1 or n % p.pp == 0):
         return ctx.ok(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank, pp={p.pp}")
-    step = per_rank * p.pp
-    want = max(step, -(-gbs // step) * step)
     need = "at least pp" if p.vpp == 1 else "a multiple of pp (interleaved, vpp > 1)"
     return ctx.finding(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank ({gbs} / (micro_batch {p.micro_batch_size}"
-                       f" · dp {dp})); the schedule needs {need} = {p.pp}", f"set {ctx.global_batch_field}={want}")
+                       f" · dp {dp})); the schedule needs {need} = {p.pp}", batch_fix(ctx, gbs))

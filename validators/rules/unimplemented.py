@@ -28,7 +28,7 @@ def check_offload_unimplemented(ctx: Context):
 
 
 @rule("V4-UNIMPL-INDEXER-QAT", fields=("attention.indexer_qat", "precision.policy.indexer_qk"), scope="recipe",
-      fix="set attention.indexer_qat=false and precision.policy.indexer_qk=bf16")
+      fix="set attention.indexer_qat=false precision.policy.indexer_qk=bf16")
 def check_indexer_qat_unimplemented(ctx: Context):
     """Low-precision indexer QK training (attention.indexer_qat) is not implemented: the bundled indexer scores in BF16/FP32.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from math import gcd
+from math import gcd, lcm
 
 from ..memory_fixes import divisors, with_edits
 from ..memory_fixes_whole import whole_recipe_fit
@@ -13,7 +13,7 @@ from .contract import contract_failures, searching
 
 @rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
                                "curriculum.stages.*.cp"),
-      fix="make nodes·gpus_per_node a multiple of tp·pp·cp (DP = the quotient)")
+      fix="set cluster.nodes to a count whose nodes·gpus_per_node is a multiple of tp·pp·cp of every stage")
 def check_world(ctx: Context):
     """tp × pp × cp × dp equals nodes × GPUs per node (DP is the integer quotient).
 
@@ -24,12 +24,31 @@ def check_world(ctx: Context):
     if ctx.dp is None:
         return ctx.finding("cluster.gpus_per_node", c.gpus_per_node,
                            f"world {c.nodes}·{c.gpus_per_node} = {c.world_size} is not divisible by "
-                           f"tp·pp·cp = {p.tp}·{p.pp}·{ctx.cp} = {denom} ({ctx.cp_field})")
+                           f"tp·pp·cp = {p.tp}·{p.pp}·{ctx.cp} = {denom} ({ctx.cp_field})", _nodes_fix(ctx))
     return ctx.ok("cluster.gpus_per_node", c.gpus_per_node, f"world {c.world_size} = {denom}·dp{ctx.dp}")
 
 
+def _nodes_fix(ctx: Context) -> str:
+    """'set cluster.nodes=N': the fewest nodes, at least the recipe's, whose GPUs split into tp·pp·cp in every stage."""
+    c, p = ctx.recipe.cluster, ctx.parallel
+    need = lcm(*(p.tp * p.pp * ctx.recipe.stage_cp(st) for st in ctx.recipe.curriculum.stages))
+    step = need // gcd(need, c.gpus_per_node)  # nodes must be a multiple of this
+    nodes = -(-c.nodes // step) * step
+    edited = with_edits(ctx.recipe, {"cluster.nodes": nodes})
+    batches = {}  # the global batches the new data-parallel sizes no longer split (V4-BATCH, V4-PP-MICROBATCHES)
+    for i, st in enumerate(edited.curriculum.stages):
+        there = Context(edited, i)
+        gbs = edited.stage_global_batch(st)
+        value = batch_value(there, gbs)
+        if value != gbs:
+            batches.setdefault(there.global_batch_field, value)
+    extra = "".join(f" {field}={value}" for field, value in batches.items())
+    return (f"set cluster.nodes={nodes}{extra} ({nodes}·{c.gpus_per_node} GPUs split into tp·pp·cp of every stage, "
+            f"lcm {need}{'; and the global batch into whole micro-batches' if extra else ''})")
+
+
 @rule("V4-EP-EXPERTS", fields=("model.moe.n_routed_experts", "parallel.ep"), scope="recipe",
-      fix="choose parallel.ep dividing model.moe.n_routed_experts")
+      fix="set parallel.ep to a divisor of model.moe.n_routed_experts")
 def check_ep_experts(ctx: Context):
     """Routed experts are divisible by EP (each EP rank holds the same number of experts).
 
@@ -37,7 +56,13 @@ def check_ep_experts(ctx: Context):
     """
     n, ep = ctx.model.moe.n_routed_experts, ctx.parallel.ep
     if n % ep:
-        return ctx.finding("parallel.ep", ep, f"{n} routed experts are not divisible by ep={ep}")
+        tp_pp = ctx.parallel.tp * ctx.parallel.pp
+        world = ctx.recipe.cluster.world_size
+        fold = world // tp_pp if world % tp_pp == 0 else n  # dp·cp, the same in every stage (V4-EP-FOLD)
+        best = max((d for d in divisors(gcd(fold, n)) if d <= ep), default=1)
+        return ctx.finding("parallel.ep", ep, f"{n} routed experts are not divisible by ep={ep}",
+                           f"set parallel.ep={best} (the largest ep up to {ep} that divides the {n} routed experts "
+                           f"and dp·cp = {fold})")
     return ctx.ok("parallel.ep", ep, f"{n // ep} experts per rank")
 
 
@@ -82,7 +107,7 @@ def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
 
 @rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size",
                            "cluster.nodes", "cluster.gpus_per_node"),
-      fix="make the global batch a multiple of micro_batch_size·dp")
+      fix="set the global batch to a multiple of micro_batch_size·dp")
 def check_batch(ctx: Context):
     """The global batch is divisible by micro batch × DP (a whole number of micro-batches per rank).
 
@@ -92,6 +117,31 @@ def check_batch(ctx: Context):
         return ctx.na("DP undefined (V4-WORLD-SIZE)")
     gbs, mbs = ctx.recipe.stage_global_batch(ctx.stage), ctx.parallel.micro_batch_size
     if gbs % (mbs * ctx.dp):
-        return ctx.finding(ctx.global_batch_field, gbs, f"global batch {gbs} is not divisible by micro_batch·dp = {mbs}·{ctx.dp}")
+        return ctx.finding(ctx.global_batch_field, gbs, f"global batch {gbs} is not divisible by micro_batch·dp = "
+                           f"{mbs}·{ctx.dp}", batch_fix(ctx, gbs))
     n = gbs // (mbs * ctx.dp)
     return ctx.ok(ctx.global_batch_field, gbs, f"{n} {micro_batches(n)} per rank")
+
+
+def batch_value(ctx: Context, gbs: int) -> int:
+    """The smallest global batch from ``gbs`` up that every stage reading ``ctx.global_batch_field`` (this stage's own,
+    or parallel.global_batch_size for the stages without one) splits into whole micro-batches per rank, at least pp
+    of them and a multiple of pp when vpp > 1 (V4-BATCH and V4-PP-MICROBATCHES at once); ``gbs`` when it does."""
+    r, p, field = ctx.recipe, ctx.parallel, ctx.global_batch_field
+    stages = [ctx.stage] if field.startswith("curriculum.") else \
+        [st for st in r.curriculum.stages if not st.global_batch_size]
+    step, low = 1, 1
+    for dp in {r.stage_dp(st) for st in stages} - {None}:
+        per_rank = p.micro_batch_size * dp
+        step = lcm(step, per_rank * (p.pp if p.vpp > 1 else 1))
+        low = max(low, per_rank * p.pp)
+    return -(-max(gbs, low) // step) * step
+
+
+def batch_fix(ctx: Context, gbs: int) -> str:
+    """'set FIELD=N (…)' with N = ``batch_value``: the fix V4-BATCH and V4-PP-MICROBATCHES both print."""
+    p, field = ctx.parallel, ctx.global_batch_field
+    need = f", at least pp = {p.pp} per rank" + (" and a multiple of it" if p.vpp > 1 else "") if p.pp > 1 else ""
+    where = "this stage" if field.startswith("curriculum.") else "every stage without its own global_batch_size"
+    return (f"set {field}={batch_value(ctx, gbs)} (the smallest global batch from {gbs} up that {where} splits into "
+            f"whole micro-batches{need})")

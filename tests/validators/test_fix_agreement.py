@@ -1,0 +1,113 @@
+"""Every printed fix is a command with values, and pasting it fixes its rule without breaking another (issue 41).
+
+For each failing fixture (``validator_fixtures.CASES``) every violation's and warning's fix is turned into the
+``v4launch validate`` line the report prints (``fix_command.pasteable``); each alternative is applied and the
+recipe validated again: the rule passes, and no rule fails that did not fail before (fixes that contradict each
+other, e.g. a 4-stage layout from V4-PP-LAYOUT where V4-PP-VPP asks for vpp=1, fail here).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from validate_helpers import invoke, validate_file
+from v4launch.cli.fix_command import _edits, _split_tail, pasteable
+from v4launch.validators import RULES
+from validator_fixtures import CASES
+
+PROSE_FIXES = {
+    "V4-CP-BOUNDARY": "a stage's cp against its seq_len and the boundary width: several levers, none always right",
+    "V4-CP-SM": "the GPU is the fix (another cluster)",
+    "V4-HOST-MEMORY": "the nodes' RAM is a fact to look up, not a value to propose",
+    "V4-MODEL-BUILD": "a model shape: changing it changes the model",
+    "V4-OGROUPS": "a model shape: changing it changes the model",
+    "V4-PHASE-ORDER": "reordering stages is an edit of the curriculum list",
+    "V4-PHASE-SKIP-WARMUP": "inserting a stage is an edit of the curriculum list",
+    "V4-PP-LAYOUT-SYNTAX": "the layout does not parse: the grammar is the help",
+    "V4-PP-MTP-WITH-LOSS": "prints the moved layout when one can be made (its own fix), else the rule",
+    "V4-RATIOS-LENGTH": "a model shape: one entry per layer",
+    "V4-RECOMPUTE": "a choice of modules to recompute",
+    "V4-RECOMPUTE-REPLAY": "a warning whose remedy is to measure",
+    "V4-RELEASED-INIT": "a checkpoint import command to run first",
+    "V4-TOPK-VISIBLE": "a warning: the model's top-k or the phase's seq_len",
+    "V4-WANDB-INSTALLED": "a package to install",
+}
+"""Rules whose fix may stay prose, and why; every other rule's fix is a command with values."""
+
+
+def _findings(base_file: Path, bad: list[str]):
+    report = validate_file(base_file, bad)
+    return report, [*report.violations, *report.warnings]
+
+
+def _alternatives(fix: str) -> list[list[str]]:
+    """The edits of each ``, or`` alternative that ``pasteable`` turns into a command ([] when prose)."""
+    if pasteable(fix, "R", []) == fix:
+        return []
+    return [_edits(_split_tail(clause)[0]) for clause in fix[4:].split(", or ")]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_fix_is_a_command_with_values(case: str, base_file: Path):
+    _, found = _findings(base_file, CASES[case][0])
+    prose = {(v.rule_id, v.fix) for v in found if not _alternatives(v.fix) and v.rule_id not in PROSE_FIXES}
+    assert not prose, f"fixes that name no value to paste: {sorted(prose)}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_printed_fix_pasted_fixes_its_rule_and_breaks_no_other(case: str, base_file: Path):
+    bad = CASES[case][0]
+    report, found = _findings(base_file, bad)
+    before = report.failed_rule_ids()
+    for v in found:
+        for edits in _alternatives(v.fix):
+            after = validate_file(base_file, [*bad, *edits])
+            new = {x.rule_id for x in after.violations} - before
+            assert not new, f"{v.rule_id}'s fix {edits} makes {sorted(new)} fail"
+            again = {x.rule_id for x in [*after.violations, *after.warnings] if x.stage == v.stage}
+            assert v.rule_id not in again, f"{v.rule_id}'s fix {edits} leaves it failing in stage {v.stage}"
+
+
+def test_pp_1_with_vpp_4_gets_one_fix_from_both_pipeline_rules(base_file: Path):
+    """V4-PP-LAYOUT proposed a 4-stage layout where V4-PP-VPP asks for vpp=1 and no layout."""
+    bad = ["parallel.pp=1", "parallel.vpp=4"]
+    report = validate_file(base_file, bad)
+    fixes = {v.rule_id: v.fix for v in report.violations}
+    assert set(fixes) >= {"V4-PP-LAYOUT", "V4-PP-VPP"} and fixes["V4-PP-LAYOUT"] == fixes["V4-PP-VPP"]
+    assert fixes["V4-PP-VPP"].startswith("set parallel.vpp=1 parallel.pp_layout=null ")
+    assert validate_file(base_file, [*bad, "parallel.vpp=1", "parallel.pp_layout=null"]).ok
+
+
+def test_kernel_available_offers_triton_only_with_the_warmup_stage_on_reference(base_file: Path):
+    """On SM90 V4-KERNEL-AVAILABLE offered triton for a warm-up stage that V4-SM90-DENSE-LOSS then refused."""
+    bad = ["attention.kernel_backend=cudnn", "curriculum.stages.1.kernel_backend=null"]  # stage 1 inherits it
+    report = validate_file(base_file, bad)
+    (fix,) = {v.fix for v in report.violations if v.rule_id == "V4-KERNEL-AVAILABLE"}
+    alternatives = _alternatives(fix)
+    assert ["attention.kernel_backend=triton", "curriculum.stages.1.kernel_backend=reference"] in alternatives
+    for edits in alternatives:
+        assert validate_file(base_file, [*bad, *edits]).ok, edits
+    off_sm90 = validate_file(base_file, [*bad, "cluster.gpu=B200"])
+    assert all(alt[0].endswith("=reference") and len(alt) == 1 for v in off_sm90.violations
+               if v.rule_id == "V4-KERNEL-AVAILABLE" for alt in _alternatives(v.fix))
+
+
+@pytest.mark.parametrize("bad", [["parallel.global_batch_size=6"], ["cluster.gpus_per_node=7"],
+                                 ["parallel.global_batch_size=4"]])
+def test_the_fix_line_printed_by_validate_pasted_as_printed_exits_0(bad: list[str], base_file: Path, in_tmp: Path):
+    """V4-BATCH's fix named no number; V4-WORLD-SIZE's none either; the printed line now runs clean."""
+    code, out, _, exc = invoke(["validate", str(base_file), *bad])
+    assert exc is None and code == 1
+    line = next(x for x in out.splitlines() if "fix: run `v4launch validate " in x)
+    command = line.split("`")[1]
+    words = shlex.split(command)
+    assert words[:3] == ["v4launch", "validate", str(base_file)]
+    code, out, err, exc = invoke(words[1:])
+    assert exc is None and code == 0, (command, out[-2000:])
+
+
+def test_every_rule_with_a_prose_fix_is_listed_and_exists():
+    assert set(PROSE_FIXES) <= set(RULES)
