@@ -6,7 +6,8 @@
   of the run's recipe, fixed for the whole run (each stage splits it into dp = world / cp data-parallel
   replicas of cp context-parallel ranks); 1 → ``train()`` in this process; > 1 → that many worker
   processes on this host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set;
-  rank 0's output (logs/worker0.out, its plain log lines) is echoed to the console while they run.
+  rank 0's output (logs/worker0.out, its plain log lines) is echoed to the console while they run; on a
+  terminal above one progress bar per stage drawn from rank 0's metrics.jsonl (v4launch.live_progress).
 * ``slurm`` — ``v4launch.slurm.launcher.SlurmLauncher`` (imported lazily, only for Slurm runs).
 
 Every launcher records what it did in ``<run>/launch.json`` (state, pid or job id, result) so that
@@ -322,11 +323,12 @@ class LocalLauncher(Launcher):
 
         recipe = load_run(run_dir).recipe
         world = recipe.cluster.world_size
-        plan_curriculum(recipe, world)  # refuse a stage the job cannot run (e.g. cp ∤ world) before starting
+        plans = plan_curriculum(recipe, world)  # refuse a stage the job cannot run (e.g. cp ∤ world) before starting
         if world == 1:
             result = self._in_process(run_dir, max_steps, progress)
         else:
-            result = self._spawn(run_dir, world, max_steps)
+            live = self._live_progress(run_dir, plans) if progress and sys.stdout.isatty() else None
+            result = self._spawn(run_dir, world, max_steps, live)
         return LaunchInfo(launcher=self.name, run_dir=run_dir, result=result)
 
     def _in_process(self, run_dir: Path, max_steps: int | None, progress: bool) -> TrainResult:
@@ -345,7 +347,14 @@ class LocalLauncher(Launcher):
         record_launch(run_dir, state=result.status, result=result.to_json())
         return result
 
-    def _spawn(self, run_dir: Path, world: int, max_steps: int | None) -> TrainResult:
+    @staticmethod
+    def _live_progress(run_dir: Path, plans: list[Any]) -> Any:
+        """Rich bars per stage drawn from rank 0's metrics.jsonl (:mod:`v4launch.live_progress`)."""
+        from .live_progress import LiveProgress
+
+        return LiveProgress(RunPaths(run_dir).metrics, {p.index: p.steps for p in plans})
+
+    def _spawn(self, run_dir: Path, world: int, max_steps: int | None, live: Any = None) -> TrainResult:
         from .training.worker import LAUNCHER_PID_VAR
 
         env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
@@ -370,11 +379,13 @@ class LocalLauncher(Launcher):
         exit_order: list[int] = []  # ranks in the order they exited (the first failure is the cause)
         interrupted = False
         try:
-            codes = self._wait_echoing(procs, rank0_out, echo_from, exit_order)
+            codes = self._wait_echoing(procs, rank0_out, echo_from, exit_order, live=live)
         except KeyboardInterrupt:
             interrupted = True
             codes = stop_workers(procs)
         finally:
+            if live is not None:
+                live.stop()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         result_file = logs / "result.rank0.json"
@@ -411,8 +422,10 @@ class LocalLauncher(Launcher):
 
     @staticmethod
     def _wait_echoing(procs: list[subprocess.Popen], rank0_out: Path, offset: int, exit_order: list[int],
-                      poll_s: float = 0.5, grace_s: float = 20.0) -> list[int]:
-        """Wait for every worker, copying what rank 0 writes (its log lines) to this process's stdout.
+                      poll_s: float = 0.5, grace_s: float = 20.0, live: Any = None) -> list[int]:
+        """Wait for every worker, copying what rank 0 writes (its log lines) to this process's stdout; with
+        ``live`` (a :class:`~v4launch.live_progress.LiveProgress`, on a terminal) the lines go above its bars
+        (less the per-step summaries the bars show), which move with rank 0's metrics.
 
         Each rank's exit is noticed by its own waiter thread, so ``exit_order`` holds the ranks in the
         order they really ended. Once a rank fails, the others get ``grace_s`` seconds to end (they
@@ -437,7 +450,10 @@ class LocalLauncher(Launcher):
                     offset = f.tell()
             except OSError:
                 return
-            if text:
+            if live is not None:
+                live.print(text)
+                live.poll()
+            elif text:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
