@@ -119,3 +119,31 @@ def test_status_cli_titles_a_local_runs_process_ids_pid(tmp_path):
     header = next(line for line in out.stdout.splitlines() if "state" in line and "stage" in line)
     assert "pid" in header.split() and "job" not in header.split()
     assert "rank 0 recorded 'completed'" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(400)
+def test_kill_9_of_a_real_launcher_stops_its_workers_and_status_says_so(workspace, write_recipe):
+    recipe = write_recipe(over={"cluster": {"gpus_per_node": 2}, "logging": {"interval_steps": 1},
+                                "curriculum": {"stages": [{"name": "dense", "seq_len": 64, "phase": "dense",
+                                                           "steps": 5000}]}})
+    exe = str(Path(sys.executable).with_name("v4launch"))
+    env = dict(os.environ, COLUMNS="200", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([exe, "run", str(recipe), "--no-progress"], cwd=workspace, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if " step 2/" in line or time.monotonic() > deadline:
+            break
+    (run,) = (workspace / "runs").iterdir()
+    pids = json.loads((run / "launch.json").read_text())["pids"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert all(_gone(p, 120) for p in pids), "workers outlived their SIGKILLed launcher"
+    st = subprocess.run([exe, "status", str(run), "--json"], cwd=workspace, capture_output=True, text=True,
+                        env=env, timeout=120)
+    detail = json.loads(st.stdout)
+    assert st.returncode == 0 and detail["state"] == "cancelled", detail
+    assert "death of the launching" in detail["cancelled_by"] and detail["checkpoint"], detail
+    assert "rank 0 recorded 'stopped'" in detail["launcher_gone"]
