@@ -20,7 +20,7 @@ STANDIN = f"{Path(__file__).with_name('standin_train.py')}:train"
 # Small enough to run a few real steps a minute on 2 shared CPU cores.
 QUICK = ["curriculum.stages.0.seq_len=256", "curriculum.stages.1.seq_len=256", "curriculum.stages.2.seq_len=256",
          "parallel.global_batch_size=2", "data.max_documents=50", "checkpointing.interval_steps=2",
-         "run.threads=1", "logging.tensorboard=false", "logging.interval_steps=1", "slurm.cpus_per_task=1", "slurm.time_min=20"]
+         "run.threads=1", "logging.tensorboard=false", "logging.plot=false", "logging.interval_steps=1", "slurm.cpus_per_task=1", "slurm.time_min=20"]
 
 
 def _ok(cmd: list[str]) -> subprocess.CompletedProcess | None:

@@ -36,7 +36,7 @@ TINY: dict[str, Any] = {
     "optimizer": {"lr": 3.0e-3, "muon_lr": 2.0e-2, "min_lr": 3.0e-4, "warmup_steps": 2},
     "data": {"source": "files", "paths": [], "validation_fraction": 0.2},
     "checkpointing": {"interval_steps": 100, "keep_last": 10},
-    "logging": {"tensorboard": False},
+    "logging": {"tensorboard": False, "plot": False},  # each costs a second or so per run
     "run": {"seed": 0, "threads": 1},
 }
 

@@ -32,6 +32,9 @@ def _register() -> None:
     app.command("runs", help=runs.HELP, epilog=runs.EXAMPLES)(runs.runs)
     app.command("logs", help=logs.HELP, epilog=logs.EXAMPLES)(logs.logs)
     app.command("cancel", help=cancel.HELP, epilog=cancel.EXAMPLES)(cancel.cancel)
+    from . import plot  # matplotlib itself is imported only when a picture is drawn
+
+    app.command("plot", help=plot.HELP, epilog=plot.EXAMPLES)(plot.plot)
 
 
 _register()

@@ -4,7 +4,8 @@ metrics.jsonl (rank 0) holds one JSON object per line:
 
 * ``{"kind": "train", "stage", "stage_index", "phase", "step", "tokens", "lr", "muon_lr",
   "lm_loss", "aux": {name: raw}, "aux_sum": {kind: raw sum}, "aux_weighted": {kind: coeff · sum},
-  "loss_weights": {kind: coeff}, "total_loss", "grad_norm", "tokens_per_s", "elapsed_s"}``
+  "loss_weights": {kind: coeff}, "total_loss", "grad_norm", "tokens_per_s", "elapsed_s", "host_rss_gib",
+  "gpu_peak_gib" (on a GPU)}``
 * ``{"kind": "eval", "at", "stage", "stage_index", "phase", "step", "step_in_stage", "lm_loss"}`` at every
   stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``)
 * ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
@@ -41,6 +42,25 @@ def summary_line(rec: dict[str, Any], total_steps: int, eta_s: float | None) -> 
             f"kl {_fmt(s.get('indexer_kl'))} bal {_fmt(s.get('balance'))} mtp {_fmt(s.get('mtp'))} "
             f"lr {rec['lr']:.2e} gn {rec['grad_norm']:.3f} tok/s {rec['tokens_per_s']:.0f}"
             + (f" eta {_eta(eta_s)}" if eta_s is not None else ""))
+
+
+_PROCESS: Any = None
+
+
+def memory_gib(device: Any) -> dict[str, float]:
+    """This process's memory now, for its train records (GiB = 2^30 bytes): ``host_rss_gib``, the resident
+    host memory (psutil); on a CUDA ``device`` also ``gpu_peak_gib``, the peak allocated since the job started
+    (``torch.cuda.max_memory_allocated``: a host-side counter, no synchronisation)."""
+    global _PROCESS
+    import psutil
+
+    _PROCESS = _PROCESS or psutil.Process()
+    out = {"host_rss_gib": _PROCESS.memory_info().rss / 2**30}
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        out["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
 
 
 def train_scalars(rec: dict[str, Any]) -> dict[str, float]:

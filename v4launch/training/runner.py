@@ -24,9 +24,11 @@ from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelM
 from ..validators.derived import boundary_width
 from .data_io import eval_batches, micro_batches, newest_epoch, stage_loader
 from .dist import DistInfo, Groups, Layout, any_rank, describe_layout, gather_objects
+from ..plot import stage_end_plot
 from .gc_schedule import GarbageCollection
 from .graph_step import CapturedStep, stage_graph_plan
 from .manifest_tables import param_group_tables
+from .metrics import memory_gib
 from .model_adapter import model_args_from_recipe
 from .master_weights import storage_for
 from .optim import Optimizers
@@ -462,7 +464,8 @@ class Runner:
         p.tokens, p.elapsed_s = p.tokens + stats.tokens, p.elapsed_s + dt
         rec.update({"tokens": p.tokens, "lm_loss": stats.lm_loss, "aux": stats.aux, "aux_sum": stats.kinds,
                     "aux_weighted": stats.weighted, "total_loss": stats.total, "grad_norm": stats.grad_norm,
-                    "tokens_per_s": stats.tokens / max(dt, 1e-9), "step_time_s": dt, "elapsed_s": p.elapsed_s})
+                    "tokens_per_s": stats.tokens / max(dt, 1e-9), "step_time_s": dt, "elapsed_s": p.elapsed_s,
+                    **memory_gib(self.info.device)})
         self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
         self._refuse_non_finite(rec)
 
@@ -495,6 +498,8 @@ class Runner:
         self.gc.full()
         self.evaluate_held_out(plan, "stage_end")
         self.save(plan)
+        if self.info.is_main and self.recipe.logging.plot:  # a failure is a warning, never the job's end
+            stage_end_plot(self.run.paths.root, lambda text: self.metrics.event(self.progress.step, "warning", text))
 
     def evaluate_held_out(self, plan: StagePlan, at: str) -> None:
         """The held-out LM loss on the first held-out micro-batches (the same documents at every call:

@@ -113,6 +113,10 @@ class LoggingConfig(Section):
         "a forward over the same 8 held-out micro-batches (micro_batch_size x seq_len rows each, at least one "
         "per data-parallel replica): about ceil(8 / dp) / (3 x accum) of a step's time, no extra memory "
         "(validators/eval_cost.py). Megatron's eval_interval."))
+    plot: bool = Field(True, description=(
+        "Write plot.png (the picture `v4launch plot` draws: losses, held-out losses, aux losses, tokens/s, "
+        "memory) into the run directory at each stage end, on rank 0 (about a second; needs matplotlib: "
+        "pip install 'v4launch[plot]'; without it the job logs a warning and goes on)."))
     wandb: WandbConfig | None = Field(None, description=(
         "Also log to Weights & Biases: {project, name, mode}; null (the default) = not at all. Needs the "
         "package (pip install 'v4launch[wandb]') unless mode is disabled; validate checks (V4-WANDB-INSTALLED)."))
