@@ -37,6 +37,7 @@ import submitit
 from submitit.core.utils import DelayedSubmission
 
 from . import ledger, query
+from .render import make_executor, submit_with_retry
 from .rendezvous import rendezvous_env
 from .states import after_stop, on_start, requeue_outcome
 
@@ -161,8 +162,6 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
             raise RestartBudgetExhausted(decision.detail)
 
     def _submit_next_stage(self, run_dir: Path, job_id: str, recipe: Any, stage_index: int) -> None:
-        from .submit import submit_run
-
         try:
             submit_run(run_dir, max_steps=self.max_steps, entry=self.entry, env=query.clean_submit_env(dict(os.environ)),
                        stage=stage_index, detail=f"stage {stage_index} chained from job {job_id}")
@@ -170,6 +169,34 @@ class SlurmTrainJob(submitit.helpers.Checkpointable):
             ledger.append(run_dir, job_id, "failed", stage=stage_index,
                           detail=f"could not submit stage {stage_index}: {exc}")
             raise
+
+
+def submit_run(run_dir: Path, *, max_steps: int | None = None, entry: str = DEFAULT_ENTRY,
+               env: dict[str, str] | None = None, stage: int | None = None, detail: str = "") -> str:
+    """Submit one job of the run in ``run_dir``; returns its Slurm job id.
+
+    The job resumes from the run's latest complete checkpoint (train() finds it), so the same
+    call starts a run, continues it with the next stage, or relaunches it after a stop.
+
+    Args:
+        env: environment for sbatch (from inside a job: without the job's own SLURM_* variables).
+        stage: curriculum stage index recorded in the ledger (informational).
+        detail: ledger text, e.g. "stage 1 chained from job 12".
+
+    Raises:
+        V4LaunchError: Slurm is missing or refused the job.
+    """
+    from ..launchers import record_launch
+    from ..rundir import load_run
+
+    run_dir = Path(run_dir).absolute()
+    recipe = load_run(run_dir).recipe
+    executor = make_executor(recipe, run_dir, job_name=run_dir.name)
+    job_id = submit_with_retry(executor, SlurmTrainJob(run_dir, max_steps=max_steps, entry=entry), env=env)
+    ledger.append(run_dir, job_id, "submit", stage=stage, detail=detail or "submitted")
+    jobs = ledger.job_ids(ledger.read(run_dir))
+    record_launch(run_dir, launcher="slurm", state="submitted", job_id=job_id, job_ids=jobs)
+    return job_id
 
 
 def _frozen_recipe(run_dir: Path) -> Any:

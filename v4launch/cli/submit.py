@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import sys
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -21,7 +21,9 @@ EXAMPLES = """Examples:
 
   v4launch submit --nodes 2                       # the workspace's recipe
 
-  v4launch submit recipes/tiny_cpu.yaml --nodes 1 curriculum.stages.0.steps=4 --dry-run > job.sbatch
+  v4launch submit recipes/flash_4n.yaml --dry-run        # every stage's job; the sbatch scripts in a folder
+
+  v4launch submit recipes/tiny_cpu.yaml --nodes 1 --dry-run-dir job/ --json
 
   v4launch submit recipes/tiny_cpu.yaml --allow-dirty   # uncommitted code: its diff is saved in the run
 """
@@ -30,15 +32,21 @@ RecipeArg = Annotated[str | None, typer.Argument(
     help="Recipe YAML; default: the workspace's recipe (the one last validated or run).", show_default=False)]
 NodesOpt = Annotated[int | None, typer.Option("--nodes", "-N", min=1, help="Nodes (overrides cluster.nodes).",
                                               show_default=False)]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the exact sbatch script on stdout; submit nothing.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help=(
+    "Submit nothing: print every stage's job (nodes, time limit, what queues it, what it resumes from) and write the "
+    "exact sbatch scripts, the frozen recipe and chain.json into a folder (path printed; --json: the chain as JSON)."))]
+DryRunDirOpt = Annotated[Path | None, typer.Option(
+    "--dry-run-dir", metavar="DIR", show_default=False,
+    help="Where --dry-run writes (implies --dry-run); default: .v4launch/dry-run/<run name> in the workspace.")]
 AllowDirtyOpt = Annotated[bool, typer.Option(
     "--allow-dirty", help="Submit from a source tree with uncommitted changes (the diff goes into the run directory).")]
 
 
 def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: NodesOpt = None,
-           dry_run: DryRunOpt = False, allow_dirty: AllowDirtyOpt = False, json_out: JsonOpt = False) -> None:
-    """Validate, freeze and submit a recipe to Slurm (or print its sbatch script with --dry-run)."""
-    from ..slurm.submit import check_clean, code_revision, dry_run_script, prepare_run, submit_run
+           dry_run: DryRunOpt = False, allow_dirty: AllowDirtyOpt = False, json_out: JsonOpt = False,
+           dry_run_dir: DryRunDirOpt = None) -> None:
+    """Validate, freeze and submit a recipe to Slurm (or show every stage's job with --dry-run)."""
+    from ..slurm.submit import check_clean, code_revision, prepare_run, submit_run
     from ..training.recipe_io import check_recipe, load_recipe
     from ..workspace import Workspace
     from .run import check_profile_env
@@ -59,8 +67,8 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     for warning in check_recipe(loaded):
         OUT.note(f"warning: {warning}")
     rev = code_revision()
-    if dry_run:
-        sys.stdout.write(dry_run_script(loaded, ws))
+    if dry_run or dry_run_dir is not None:
+        _dry_run(loaded, ws, dry_run_dir, json_out)
         OUT.note("dry run: nothing submitted (the run directory's name carries the submission time)"
                  + ("; note: the source tree is dirty" if rev.dirty else ""))
         return
@@ -81,3 +89,40 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
         OUT.note(f"the source tree is dirty: its diff is saved in {run_dir / 'code.diff'}")
     quoted = shlex.quote(str(run_dir))
     OUT.console.print(f"  v4launch status {quoted}\n  v4launch logs {quoted} --follow", markup=False, soft_wrap=True)
+
+
+def _dry_run(loaded: Any, ws: Any, folder: Path | None, json_out: bool) -> None:
+    """Write every stage's job into ``folder`` (default under the workspace) and print the chain (or its JSON)."""
+    from rich.table import Table
+
+    from ..slurm.dry_run import DRY_RUN_DIR, write_dry_run
+    from ..slurm.submit import predicted_run_dir
+    from ..training.plan import plan_curriculum
+    from ..workspace import STATE_DIR
+
+    recipe = loaded.recipe
+    run_dir = predicted_run_dir(recipe, ws)
+    plans = plan_curriculum(recipe, recipe.cluster.world_size)
+    dry = write_dry_run(loaded, plans, run_dir, folder or ws.root / STATE_DIR / DRY_RUN_DIR / run_dir.name)
+    if json_out:
+        OUT.json(dry.to_dict())
+        return
+    con, s = OUT.console, recipe.slurm
+    con.print(f"{recipe.name}: {len(dry.jobs)} Slurm job(s), one per stage, each on {recipe.cluster.nodes} node(s) x "
+              f"{recipe.cluster.gpus_per_node} GPU(s); a job runs up to slurm.time_min = {s.time_min} min, then "
+              "checkpoints and requeues itself until its stage is done", markup=False, soft_wrap=True)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("stage", "phase", "seq_len", "cp x dp", "steps", "global steps", "est. wall", "queued by",
+                   "resumes from", "script"):
+        table.add_column(column)
+    for j in dry.jobs:
+        est = "-" if j.est_wall_h is None else f"{j.est_wall_h:.1f} h = {j.est_segments} x {s.time_min} min"
+        table.add_row(f"{j.index} {j.name}", j.phase, str(j.seq_len), f"{j.cp} x {j.dp}", str(j.steps),
+                      f"{j.first_step}-{j.first_step + j.steps}", est,
+                      "this submit" if j.index == 0 else f"stage {j.index - 1}'s end",
+                      "step 0" if j.index == 0 else f"stage {j.index - 1} checkpoint", j.script)
+    con.print(table)
+    con.print(f"written: {dry.folder} (the sbatch scripts, identical for every stage: a job finds its stage and "
+              f"step in the run's checkpoints; recipe.yaml; chain.json; AT_SUBMIT.txt)", markup=False, soft_wrap=True)
+    con.print(f"the run directory would be {dry.run_dir}; first job's resume point: {dry.jobs[0].resume}",
+              markup=False, soft_wrap=True)
