@@ -32,6 +32,8 @@ EXAMPLES = """Examples:
 
   v4launch validate recipes/flash_4n.yaml parallel.cp=8 --json
 
+  v4launch validate recipes/flash_8n.yaml -q         # failing and warning findings only, each once
+
   v4launch validate curriculum.stages.5.cp=16        # the workspace's recipe, one override
 
   v4launch validate recipes/flash_4n.yaml cluster.nodes=8 --write flash_8x8.yaml   # the fixed recipe, to a file
@@ -51,10 +53,14 @@ WriteOpt = Annotated[Optional[Path], typer.Option(
          "fields (naming RECIPE itself edits it in place, comments kept). Written when the overrides load, whatever "
          "the verdict, which is said.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="With --write: replace an existing file.")]
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", "--failures",
+    help="Print only failing and warning findings, a finding repeated across stages once with its stages (exit codes "
+         "unchanged). The full table stays the default.")]
 
 
 def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: JsonOpt = False,
-             write: WriteOpt = None, force: ForceOpt = False) -> None:
+             write: WriteOpt = None, force: ForceOpt = False, quiet: QuietOpt = False) -> None:
     """Validate RECIPE (with dotlist overrides) and print the contract report."""
     from ..recipe_loading import load_recipe
     from ..validators import validate_recipe
@@ -85,7 +91,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         if as_json:
             OUT.json(report.to_dict())
         else:
-            render(report, loaded.recipe, command=(path, extra))
+            render(report, loaded.recipe, command=(path, extra), quiet=quiet)
         sys.stdout.flush()
     except BrokenPipeError:  # `v4launch validate … | head`: the exit code is still the verdict
         reader_left()
@@ -248,22 +254,26 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
     return table, note
 
 
-def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None) -> None:
+def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None, quiet: bool = False) -> None:
     """Print the human report: header, recipe-wide rules, one block per stage, summary.
 
     ``command``: the recipe path and the overrides as the user gave them; each fix made of edits is then printed
-    as a ``v4launch validate`` line to paste (``fix_command.pasteable``)."""
+    as a ``v4launch validate`` line to paste (``fix_command.pasteable``). ``quiet``: only the failing and warning
+    findings (``report_failures.render_failures``)."""
+    from .report_failures import render_failures
+
     con = OUT.console
     saved = con._width
     if not con.is_terminal:  # piped output: don't fold the tables at 80 columns
         con.width = max(con.width, 160)
     try:
-        _render(report, recipe, con, command or (report.path or report.recipe, []))
+        (render_failures if quiet else _render)(report, recipe, con, command or (report.path or report.recipe, []))
     finally:
         con._width = saved
 
 
-def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]]) -> None:
+def header(report: Report, recipe: Any, con: Any) -> None:
+    """The report's first lines: recipe, file, cluster and layout, then the description."""
     from ..recipe_loading import display_path
 
     c, p = recipe.cluster, recipe.parallel
@@ -273,6 +283,10 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
               f"{f' · layout {p.pp_layout}' if p.pp_layout else ''}")
     if recipe.description:
         con.print(Text(recipe.description, style="dim"))
+
+
+def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]]) -> None:
+    header(report, recipe, con)
     con.print("\n[bold]recipe-wide rules[/bold]")
     shown: dict[tuple[str, str], tuple[str, str]] = {}
     _block(con, report.recipe_results, "the recipe-wide rules", shown, command)
