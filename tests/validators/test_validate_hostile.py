@@ -304,7 +304,7 @@ def test_warmup_stage_sparse_target_is_refused_as_the_job_refuses_it(tmp_path: P
     """validate used to propose indexer_loss=sparse for a warm-up stage, which `run` refuses."""
     path = str(write_recipe(tmp_path, base()))
     code, text = guarded(tmp_path, [path, "curriculum.stages.1.indexer_loss=sparse"])
-    assert code == 1 and "V4-PHASE-INDEXER-TARGET" in text and "remove curriculum.stages.1.indexer_loss" in text
+    assert code == 1 and "V4-PHASE-INDEXER-TARGET" in text and "curriculum.stages.1.indexer_loss=null" in text
 
 
 @pytest.mark.parametrize("args", [["x" * 5000], ["a\x00b.yaml"], ["/" + "y/" * 3000 + "r.yaml"], ["/dev/zero"], ["/tmp"],
