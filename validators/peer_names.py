@@ -4,6 +4,7 @@ A key written the way Megatron-LM (and Megatron-Bridge and Primus, which take Me
 argument names), a Hugging Face ``config.json`` or torchtitan spell it is answered with
 "X is Megatron's name; here it is Y" instead of a guess by spelling. Matching ignores case and
 reads ``-`` as ``_`` (``--moe-aux-loss-coeff`` works). ``N`` in a path stands for the stage index.
+A peer setting with no field here (``moe_router_force_load_balancing``) is named as such, with why.
 """
 
 from __future__ import annotations
@@ -73,6 +74,33 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
                                     "remainders or a copy)"),
     "cpu_offloading_num_layers": (MEGATRON, "parallel.cpu_offloading (every recomputed layer of a stage)"),
     "cpu_offloading_activations": (MEGATRON, "parallel.cpu_offloading"),
+    # pipeline split: one layout string holds what Megatron spreads over several arguments
+    "decoder_first_pipeline_num_layers": (MEGATRON, "parallel.pp_layout (the first stage's 't' count, e.g. "
+                                                    "Et*10|t*12|t*12|t*9mL)"),
+    "decoder_last_pipeline_num_layers": (MEGATRON, "parallel.pp_layout (the last stage's 't' count, before m and L)"),
+    "num_layers_per_virtual_pipeline_stage": (MEGATRON, "parallel.vpp (virtual stages per rank) with a "
+                                                        "parallel.pp_layout of pp·vpp stages"),
+    "num_virtual_stages_per_pipeline_rank": (MEGATRON, "parallel.vpp"),
+    "account_for_embedding_in_pipeline_split": (MEGATRON, "parallel.pp_layout (E in the first stage)"),
+    "account_for_loss_in_pipeline_split": (MEGATRON, "parallel.pp_layout (L in the last stage)"),
+    "micro_batch_size": (MEGATRON, "parallel.micro_batch_size"),
+    "global_batch_size": (MEGATRON, "parallel.global_batch_size"),
+    "recompute_granularity": (MEGATRON, "parallel.recompute_granularity"),
+    "recompute_modules": (MEGATRON, "parallel.recompute_modules"),
+    "moe_shared_expert_intermediate_size": (MEGATRON, "model.moe.moe_inter_dim (shared experts have the routed "
+                                                      "width; their count is model.moe.n_shared_experts)"),
+    "moe_router_enable_expert_bias": (MEGATRON, "model.moe.bias_update_speed (0 turns the bias update off)"),
+    "moe_router_num_hash_layers": (MEGATRON, "model.moe.n_hash_layers"),
+    "lr": (MEGATRON, "optimizer.lr"),
+    "min_lr": (MEGATRON, "optimizer.min_lr"),
+    "weight_decay": (MEGATRON, "optimizer.weight_decay"),
+    "optimizer": (MEGATRON, "optimizer.name"),
+    "fp8": (MEGATRON, "precision.fp8_recipe"),
+    "fp8_recipe": (MEGATRON, "precision.fp8_recipe"),
+    "bf16": (MEGATRON, "precision.dtype"),
+    "tokenizer_model": (MEGATRON, "data.tokenizer"),
+    "data_path": (MEGATRON, "data.paths"),
+    "seed": (MEGATRON, "run.seed"),
     # Hugging Face config.json (DeepSeek-V3 / V4 releases)
     "num_hidden_layers": (HF, "model.n_layers"),
     "num_experts_per_tok": (HF, "model.moe.n_activated_experts"),
@@ -108,7 +136,32 @@ PEER_NAMES: dict[str, tuple[str, str]] = {
 }
 """Peer spelling → (whose name it is, our dotted path)."""
 
+NO_EQUIVALENT: dict[str, tuple[str, str]] = {
+    "moe_router_force_load_balancing": (MEGATRON, "a benchmarking switch that routes by random logits; the "
+                                                  "bundled job always routes by score (hash layers by token id)"),
+    "moe_router_load_balancing_type": (MEGATRON, "the V4 balance is fixed: the auxiliary-loss-free bias "
+                                                 "(model.moe.bias_update_speed) plus the sequence-wise balance loss "
+                                                 "(model.moe.balance_loss_alpha)"),
+    "moe_token_dispatcher_type": (MEGATRON, "experts are always dispatched all-to-all over parallel.ep"),
+    "moe_grouped_gemm": (MEGATRON, "the routed experts always run a grouped GEMM in bf16"),
+    "sequence_parallel": (MEGATRON, "tensor parallelism is 1 in V4 (V4-TP-ONE); long sequences split over "
+                                    "parallel.cp"),
+    "moe_router_dtype": (MEGATRON, "the router scores in fp32 (the released model's choice)"),
+    "use_flash_attn": (MEGATRON, "attention kernels are attention.kernel_backend (reference or triton)"),
+}
+"""Peer names with no setting here: (whose name it is, why none / what does the job instead)."""
+
+
+def _normal(key: str) -> str:
+    return key.strip().lstrip("-").split("=", 1)[0].lower().replace("-", "_")
+
 
 def peer_name(key: str) -> tuple[str, str] | None:
-    """(whose name, our path) when ``key`` is a peer launcher's spelling of one of our fields."""
-    return PEER_NAMES.get(key.strip().lstrip("-").lower().replace("-", "_"))
+    """(whose name, our path) when ``key`` (a YAML key or a ``--flag``) is a peer launcher's spelling of one of our
+    fields."""
+    return PEER_NAMES.get(_normal(key))
+
+
+def peer_without_equivalent(key: str) -> tuple[str, str] | None:
+    """(whose name, why there is none here) when ``key`` is a peer launcher's setting this product has no field for."""
+    return NO_EQUIVALENT.get(_normal(key))

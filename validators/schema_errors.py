@@ -13,7 +13,7 @@ from typing import Any, Callable, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from .peer_names import peer_name
+from .peer_names import peer_name, peer_without_equivalent
 from .schema.recipe import Recipe
 
 TOP_LEVEL_EXTRA = ("extends",)
@@ -145,7 +145,10 @@ def _unknown_key(loc: tuple, src: str) -> tuple[str, str]:
     path, parent = dotted(loc), dotted(loc[:-1])
     keys = valid_keys(loc[:-1])
     valid = f"valid keys under {parent or 'the top level'}: {', '.join(keys)}"
-    peer = peer_name(str(loc[-1]))
+    peer, absent = peer_name(str(loc[-1])), peer_without_equivalent(str(loc[-1]))
+    if absent is not None:
+        return f"{src}: unknown key '{path}': {loc[-1]} is {absent[0]} name; there is no such setting here: " \
+               f"{absent[1]}", "remove it"
     if peer is not None:
         whose, ours = peer
         index = next((p for p in loc if isinstance(p, int)), None)

@@ -111,10 +111,12 @@ def split_recipe_arg(recipe: str | None, overrides: list[str], command: str) -> 
     names the subcommand in the hint.
 
     Raises:
-        UsageError: no recipe first and a later positional without '=' (``validate parallel.cp=8 flash_4n.yaml``):
+        UsageError: an option the command does not know (``refuse_flags``); no recipe first and a later
+            positional without '=' (``validate parallel.cp=8 flash_4n.yaml``):
             the recipe comes first; read as an override it would fail as a malformed one, the workspace's recipe
             having silently been picked.
     """
+    refuse_flags([*([recipe] if recipe is not None else []), *overrides], command)
     if recipe is None or "=" not in recipe or _exists(recipe):
         return recipe, overrides
     stray = next((o for o in overrides if "=" not in o), None)
@@ -163,3 +165,33 @@ def recipe_and_overrides(workspace: Any, name: str | None, extra: list[str]) -> 
     else:
         OUT.note(head + (f" with {shlex.join(extra)}" if extra else ""))
     return path, extra
+
+
+def refuse_flags(words: list[str], command: str) -> None:
+    """Refuse the first word that is an option this command does not know (click passes it on as an argument),
+    naming our field when it is another launcher's flag (Megatron's ``--tensor-model-parallel-size 1``).
+
+    Raises:
+        UsageError: a word starting with '-': another launcher's flag (our field and the override to give), a
+            peer setting with no field here (why), or an unknown option (where the valid ones are listed).
+    """
+    from ..validators.peer_names import peer_name, peer_without_equivalent
+
+    for i, word in enumerate(words):
+        if not word.startswith("-") or word == "-":
+            continue
+        flag, eq, value = word.partition("=")
+        if not eq and i + 1 < len(words) and not words[i + 1].startswith("-") and "=" not in words[i + 1]:
+            value = words[i + 1]
+        absent, peer = peer_without_equivalent(flag), peer_name(flag)
+        if absent is not None:
+            raise UsageError(f"{flag} is {absent[0]} flag; there is no such setting here: {absent[1]}",
+                             hint=f"drop it; recipe fields are given to v4launch {command} as overrides, dotted.key=value")
+        if peer is not None:
+            ours, _, why = peer[1].partition(" ")
+            each = " (N: the stage's index)" if ".N." in ours else ""
+            hint = (f"give it as an override: v4launch {command} RECIPE {ours}={value or 'VALUE'}{each}" if not why
+                    else f"set {ours} {why}")
+            raise UsageError(f"{flag} is {peer[0]} flag; here it is the recipe field {ours}", hint=hint)
+        raise UsageError(f"no such option: {flag}", hint=f"`v4launch {command} --help` lists the options; recipe "
+                                                         "fields are given as overrides, dotted.key=value")
