@@ -21,12 +21,17 @@ COMMON="curriculum.stages.0.steps=$S0 curriculum.stages.1.steps=$S1 curriculum.s
 for i in 0 1 2; do COMMON="$COMMON curriculum.stages.$i.seq_len=$SEQ"; done
 STORAGE="precision.params_dtype=bf16 precision.store_param_remainders=true precision.exp_avg_dtype=bf16 precision.exp_avg_sq_dtype=bf16"
 OFFLOAD="parallel.recompute_granularity=full parallel.cpu_offloading=true compile.cuda_graph=false"
+# SHM_VARIANTS: variants whose workspace (and checkpoints) lie in /dev/shm, when it has 40 GiB free, so that more
+# runs fit at once than the disk holds
+shm_free_gib=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 run() {  # name, overrides...
     local name=$1; shift
-    mkdir -p /tmp/ws_$name/.v4launch && (cd /tmp/ws_$name && timeout ${RUN_TIMEOUT:-540} python3 -m v4launch run \
-        $REPO/recipes/bench_h200.yaml --no-progress $COMMON "$@" > $OUT/${name}.log 2>&1; echo "$name exit $?")
-    cp /tmp/ws_$name/runs/*/metrics.jsonl $OUT/${name}_metrics.jsonl 2>/dev/null
-    rm -rf /tmp/ws_$name/runs/*/checkpoints
+    local root=/tmp
+    case " ${SHM_VARIANTS:-} " in *" $name "*) [ "${shm_free_gib:-0}" -ge 40 ] && root=/dev/shm ;; esac
+    mkdir -p $root/ws_$name/.v4launch && (cd $root/ws_$name && timeout ${RUN_TIMEOUT:-540} python3 -m v4launch run \
+        $REPO/recipes/bench_h200.yaml --no-progress $COMMON "$@" > $OUT/${name}.log 2>&1; echo "$name exit $? (workspace in $root)")
+    cp $root/ws_$name/runs/*/metrics.jsonl $OUT/${name}_metrics.jsonl 2>/dev/null
+    rm -rf $root/ws_$name/runs/*/checkpoints
 }
 WAVE=${WAVE:-2}  # variants run at once (the disk holds about two runs' checkpoints)
 n=0

@@ -23,6 +23,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..training.master_weights import drop_initial_remainders
+
+
+def _fqn(name: str) -> str:
+    """``named_parameters``' name without wrapper segments (``_orig_mod``, ``_checkpoint_wrapped_module``), as
+    ``get_model_state_dict`` keys it."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
+
 
 class ModelState:
     """Stateful view of a module's parameters and buffers (FQN → tensor)."""
@@ -36,8 +44,12 @@ class ModelState:
         return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy ``state_dict`` into the module. Raises RuntimeError on missing/unexpected keys when strict."""
+        """Copy ``state_dict`` into the module. Raises RuntimeError on missing/unexpected keys when strict.
+
+        A loaded bf16-stored parameter forgets the fp32 value it was built from (``master_weights.store_in_bf16``):
+        its master comes from the checkpoint's optimizer state, or else from the loaded value itself."""
         set_model_state_dict(self.model, state_dict, options=self.options)
+        drop_initial_remainders(p for name, p in self.model.named_parameters() if _fqn(name) in state_dict)
 
 
 class OptimizerState:

@@ -6,7 +6,9 @@ weight's exact fp32 master and computes the update in fp32 (``v4launch/training/
 model sees bf16 weights, which autocast uses as they are (no per-forward bf16 copy) and which
 ``matmul.project`` upcasts under fp32 compute.
 
-The conversion is in place (``param.data``): the ``nn.Parameter`` objects stay the same, so a pipeline
+An fp32 weight keeps its exact value as the optimizer's first master (``master_weights.store_in_bf16``: the
+bf16 value is its rounding, the remainder waits on the parameter), so storage changes no weight the optimizer
+steps. The conversion is in place (``param.data``): the ``nn.Parameter`` objects stay the same, so a pipeline
 rank's view, the routed-expert set of expert parallelism and FQNs are unchanged. Call it before FSDP and
 before building the optimizer.
 """
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from ...validators.storage_policy import stores_low_precision
+from ...training.master_weights import store_in_bf16
 
 STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``precision.params_dtype`` -> torch dtype."""
@@ -47,6 +50,9 @@ def apply_param_storage(model: nn.Module, params_dtype: str, *, fsdp: bool,
     done = []
     for name, p in model.named_parameters():
         if p.is_floating_point() and stores_low_precision(name, p.ndim, fsdp_sharded=fsdp and p not in keep):
-            p.data = p.data.to(dtype)
+            if p.dtype == torch.float32:
+                store_in_bf16(p)
+            elif p.dtype != dtype:
+                p.data = p.data.to(dtype)
             done.append(name)
     return done

@@ -20,6 +20,7 @@ from v4launch.model.parallel.fsdp import routed_expert_params  # noqa: E402
 from v4launch.model.parallel.storage import apply_param_storage  # noqa: E402
 from v4launch.recipe_loading import load_recipe  # noqa: E402
 from v4launch.training.model_adapter import model_args_from_recipe  # noqa: E402
+from v4launch.training.master_weights import INITIAL_REMAINDER, join_master, split_master  # noqa: E402
 from v4launch.validators.memory_storage import stored_low as _stored_low  # noqa: E402
 from v4launch.validators.param_count import model_params  # noqa: E402
 
@@ -58,8 +59,10 @@ def test_the_job_stores_in_bf16_what_the_plan_counts(phase, overrides, fsdp):
     assert {_spec_name(n) for n in low} == _plan_low(recipe, phase)
     for n, p in model.named_parameters():
         assert p is before[n]  # the same Parameter: views and expert sets still hold it
-        if n in low:
-            assert torch.equal(p.detach(), values[n].to(torch.bfloat16))
+        if n in low:  # the bf16 rounding (ties away) of the fp32 value, which the waiting remainder restores
+            assert torch.equal(p.detach(), split_master(values[n])[0])
+            initial = join_master(p.detach(), getattr(p, INITIAL_REMAINDER))
+            assert torch.equal(initial.view(torch.int32), values[n].view(torch.int32))
         else:
             assert p.dtype == torch.float32 and torch.equal(p.detach(), values[n])
     assert not any(PINNED.search(n) for n in low)

@@ -17,8 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from v4launch.checkpoints.stateful import ModelState, OptimizerState
-from v4launch.training.master_weights import (MASTER_PARAM, MASTER_REMAINDER, StorageOptions, join_master,
-                                              split_master)
+from v4launch.model.parallel.storage import apply_param_storage
+from v4launch.training.master_weights import (INITIAL_REMAINDER, MASTER_PARAM, MASTER_REMAINDER, StorageOptions,
+                                              join_master, split_master)
 from v4launch.training.muon import Muon
 from v4launch.training.optim import Optimizers, PrecisionAwareAdamW
 
@@ -130,6 +131,43 @@ def test_master_follows_the_fp32_optimizer_bitwise(ns_dtype, weight_decay, remai
             key = MASTER_REMAINDER if remainders else MASTER_PARAM
             assert set(low_state) == set(ref_state) | {key}, name
             assert _same(q.detach(), split_master(r.detach())[0]), name  # the fp32 weight rounded ties-away
+
+
+@pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32_copy"])
+def test_storage_applied_to_fp32_weights_keeps_their_exact_values_as_the_master(remainders, tmp_path):
+    """apply_param_storage on weights that bf16 cannot hold: the master starts at the fp32 values (not their
+    bf16 rounding), so the masters follow fp32 storage bitwise from the first step; a checkpoint's master
+    replaces the waiting remainder (it is dropped on load, never used)."""
+    gen = _gen()
+    ref = _Tiny()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))  # 24 significant bits: not bf16-representable
+    low, fresh = copy.deepcopy(ref), copy.deepcopy(ref)
+    for model in (low, fresh):
+        assert apply_param_storage(model, "bf16", fsdp=False)  # the matrices (not the norms)
+    storage = StorageOptions(store_param_remainders=remainders)
+    ref_opt, low_opt = Optimizers(ref, _cfg()), Optimizers(low, _cfg(), storage=storage)
+    for step in range(5):
+        _feed([ref, low], gen)
+        ref_opt.step()
+        low_opt.step()
+        for (name, r), q in zip(ref.named_parameters(), low.parameters()):
+            assert _same(_master(low_opt, q), r.detach()), (step, name)
+            if q.dtype == BF16:
+                assert _same(q.detach(), split_master(r.detach())[0]), (step, name)
+    assert not any(hasattr(q, INITIAL_REMAINDER) for q in low.parameters())  # each became its master state
+    dcp.save({"optimizer": OptimizerState(low, low_opt.optimizers)},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    with torch.no_grad():
+        for a, b in zip(low.parameters(), fresh.parameters()):
+            b.copy_(a)  # the bf16 halves of the masters, as a checkpoint's model state would bring them
+    fresh_opt = Optimizers(fresh, _cfg(), storage=storage)
+    dcp.load({"optimizer": OptimizerState(fresh, fresh_opt.optimizers)},
+             storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    assert not any(hasattr(q, INITIAL_REMAINDER) for q in fresh.parameters())  # the loaded masters rule
+    for q, f in zip(low.parameters(), fresh.parameters()):
+        assert _same(_master(fresh_opt, f), _master(low_opt, q))
 
 
 def test_remainder_and_fp32_copy_give_the_same_parameters_and_masters():

@@ -46,6 +46,9 @@ MASTER_REMAINDER = "master_remainder"
 """Optimizer-state key of a bf16 parameter's int16 remainder (shaped like the parameter)."""
 MASTER_PARAM = "master_param"
 """Optimizer-state key of a bf16 parameter's fp32 master copy (shaped like the parameter)."""
+INITIAL_REMAINDER = "_initial_master_remainder"
+"""Attribute a parameter carries from :func:`store_in_bf16` until the optimizer makes its master state: the int16
+remainder of the fp32 value it was built with, so the first master is that value, not its bf16 rounding."""
 FIRST_MOMENT_KEYS = ("exp_avg", "momentum_buffer")
 SECOND_MOMENT_KEYS = ("exp_avg_sq", "max_exp_avg_sq")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -242,14 +245,53 @@ def check_param(param: torch.Tensor, storage: StorageOptions) -> None:
                          "are kept for bfloat16 parameters only. Fix: store it as float32 or bfloat16.")
 
 
+def store_in_bf16(param: torch.Tensor) -> None:
+    """Store an fp32 parameter in bf16 in place (``param.data``), keeping its exact value for the optimizer.
+
+    The bf16 value is the fp32 one rounded to nearest, ties away (:func:`split_master`); the remainder waits on
+    the parameter (:data:`INITIAL_REMAINDER`, 2 B per element, the size of the master state it becomes) until
+    :func:`ensure_master` makes it the master, or a loaded checkpoint's master replaces it
+    (:func:`drop_initial_remainders`). Starting the master at the bf16 rounding instead would lose the fp32
+    initialisation: early updates smaller than half a bf16 ulp then leave every weight the forward sees unchanged,
+    while fp32 storage lets the first updates flip the roundings of the weights nearest a boundary (measured on
+    the H200, 2026-12-04: lm loss 10.86 against 9.82 after the first step of bench_h200, the gap gone by step ~20;
+    benchmarks/results/loss_curve_storage_h200_2026-12-04_*.md). Meta tensors are converted without a remainder.
+    Raises:
+        ValueError: ``param`` is not float32.
+    """
+    if param.device.type == "meta":
+        param.data = param.data.to(torch.bfloat16)
+        return
+    low, remainder = split_master(param.data)
+    param.data = low
+    setattr(param, INITIAL_REMAINDER, remainder)
+
+
+def drop_initial_remainders(params: Any) -> None:
+    """Forget the initial remainders of ``params`` (the master comes from a checkpoint instead)."""
+    for p in params:
+        if hasattr(p, INITIAL_REMAINDER):
+            delattr(p, INITIAL_REMAINDER)
+
+
 def ensure_master(state: dict, param: torch.Tensor, storage: StorageOptions) -> None:
-    """Create a bf16 parameter's master state from its current value (upcast: remainder zeros), if absent."""
+    """Create a bf16 parameter's master state, if absent: from the fp32 value it was stored from
+    (:func:`store_in_bf16`), else from its bf16 value (remainder zeros). The initial remainder is dropped."""
+    initial = getattr(param, INITIAL_REMAINDER, None)
+    if initial is not None:
+        delattr(param, INITIAL_REMAINDER)
     if param.dtype != torch.bfloat16 or MASTER_REMAINDER in state or MASTER_PARAM in state:
         return
+    if initial is not None and initial.shape != local_view(param).shape:
+        initial = None  # the parameter was resharded since: its value is all that is known
+    elif initial is not None:
+        initial = initial.to(local_view(param).device)  # the model moved after it was stored (a no-op if not)
     if storage.store_param_remainders:
-        state[MASTER_REMAINDER] = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
+        state[MASTER_REMAINDER] = (initial if initial is not None else
+                                   torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format))
     else:
-        state[MASTER_PARAM] = param.detach().to(torch.float32, copy=True)
+        state[MASTER_PARAM] = (join_master(param, initial) if initial is not None
+                               else param.detach().to(torch.float32, copy=True))
 
 
 def master_work(param: torch.Tensor, state: dict) -> torch.Tensor:

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from .master_weights import (StorageOptions, check_param, ensure_master, master_work, restore_loaded_dtypes,
-                             store_master, store_state, upcast)
+from .master_weights import (StorageOptions, check_param, drop_initial_remainders, ensure_master, master_work,
+                             restore_loaded_dtypes, store_master, store_state, upcast)
 
 
 def newton_schulz(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -152,6 +152,7 @@ class Muon(torch.optim.Muon):
         super().load_state_dict(state_dict)
         if self.storage is not None:
             restore_loaded_dtypes(self, state_dict, self.storage)
+        drop_initial_remainders(p for group in self.param_groups for p in group["params"] if p in self.state)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -31,8 +31,8 @@ from torch import nn
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 
-from .master_weights import (StorageOptions, check_param, ensure_master, local_view, master_work,
-                             restore_loaded_dtypes, store_master, store_state, upcast)
+from .master_weights import (StorageOptions, check_param, drop_initial_remainders, ensure_master, local_view,
+                             master_work, restore_loaded_dtypes, store_master, store_state, upcast)
 from .muon import Muon
 
 GROUP_KINDS = ("muon", "adamw_decay", "adamw_no_decay")
@@ -123,6 +123,7 @@ class PrecisionAwareAdamW(torch.optim.AdamW):
         parameter's). Raises: as :func:`master_weights.restore_loaded_dtypes`."""
         super().load_state_dict(state_dict)
         restore_loaded_dtypes(self, state_dict, self.storage)
+        drop_initial_remainders(p for group in self.param_groups for p in group["params"] if p in self.state)
 
     @torch.no_grad()
     def step(self, closure=None):
