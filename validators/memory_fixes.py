@@ -15,9 +15,11 @@ A proposal is made only when every stage then fits (each fix printed is a whole 
 ``parallel.micro_batch_size=1`` is tried first when the recipe packs several sequences per micro-batch.
 When nothing on the recipe's nodes fits, ``memory_fixes_whole.whole_recipe_fit`` proposes one set of edits for
 the whole curriculum on more nodes. Every proposal is then checked against every other error rule of the
-contract (the ``contract`` argument: ``rules/contract.py`` ``contract_failures``, V4-MEMORY left out; passed in
+contract (the ``contract`` argument: ``rules/contract.py`` ``contract_beyond``, V4-MEMORY left out; passed in
 so that this module never imports the rules): a fix that fits memory but breaks, say, V4-PP-MICROBATCHES or
-V4-CUDA-GRAPH is never proposed (:func:`graph_compatible` turns the graph off where a fix splits the step).
+V4-CUDA-GRAPH is never proposed (:func:`graph_compatible` turns the graph off where a fix splits the step), while
+a failure the recipe already has and the fix leaves as it was (a cudnn stage V4-KERNEL-AVAILABLE refuses) is left
+to that rule's own fix.
 Sizes are searched over divisors only, so an absurd world size costs no more than a real one."""
 
 from __future__ import annotations

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from validate_helpers import invoke, validate_file
+from validate_helpers import RECIPES, invoke, validate_file
 from v4launch.cli.fix_command import _edits, _split_tail, pasteable
+from v4launch.recipe_loading import load_recipe
 from v4launch.validators import RULES
+from v4launch.validators.memory_fixes import with_edits
+from v4launch.validators.rules.contract import contract_beyond, contract_failures
 from validator_fixtures import CASES
 
 PROSE_FIXES = {
@@ -111,3 +114,33 @@ def test_the_fix_line_printed_by_validate_pasted_as_printed_exits_0(bad: list[st
 
 def test_every_rule_with_a_prose_fix_is_listed_and_exists():
     assert set(PROSE_FIXES) <= set(RULES)
+
+
+FLASH_8N_B200 = ["cluster.gpu=B200"]
+"""flash_8n on B200 (180 GiB): dense_64k needs 202.5 GiB, and `curriculum.stages.0.cp=8` fits at 178 GiB."""
+
+
+@pytest.mark.parametrize("unrelated", [["curriculum.stages.1.kernel_backend=cudnn"],
+                                       ["curriculum.stages.0.kernel_backend=cudnn"]])
+def test_an_unrelated_failing_rule_disqualifies_no_memory_fix(unrelated: list[str]):
+    """A cudnn stage (V4-KERNEL-AVAILABLE) made every candidate fail the contract: 'nothing fits' instead of cp=8."""
+    recipe = RECIPES / "flash_8n.yaml"
+    alone = {v.rule_id: v.fix for v in validate_file(recipe, FLASH_8N_B200).violations}
+    report = validate_file(recipe, [*FLASH_8N_B200, *unrelated])
+    fixes = {v.rule_id: v.fix for v in report.violations}
+    assert set(fixes) == {"V4-MEMORY", "V4-KERNEL-AVAILABLE"}
+    assert fixes["V4-MEMORY"] == alone["V4-MEMORY"]  # the same fix as without the cudnn stage
+    first = _alternatives(fixes["V4-MEMORY"])[0]
+    assert first == ["curriculum.stages.0.cp=8"]
+    after = validate_file(recipe, [*FLASH_8N_B200, *unrelated, *first])
+    assert {v.rule_id for v in after.violations} == {"V4-KERNEL-AVAILABLE"}  # left to its own fix
+
+
+def test_a_candidate_that_changes_a_standing_failure_still_counts(base_file: Path):
+    """Failures the recipe already has are ignored only while the candidate leaves them exactly as they were."""
+    recipe = load_recipe(base_file, ["parallel.global_batch_size=6"]).recipe  # V4-BATCH: 6 over dp 4
+    assert "V4-BATCH" in contract_failures(recipe)
+    contract = contract_beyond(recipe)
+    assert contract(recipe) == [] and contract_beyond(recipe) is contract
+    assert "V4-BATCH" in contract(with_edits(recipe, {"cluster.nodes": 2}))  # dp 8: another V4-BATCH finding
+

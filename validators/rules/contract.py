@@ -1,17 +1,24 @@
 """The contract as one check: the ids of the error rules a candidate recipe fails (what a proposed fix must pass).
 
-V4-MEMORY's fix search (``validators/memory_fixes.py``) takes :func:`contract_failures` as an argument, so that
-module never imports the rules: the imports run one way, rules → memory_fixes.
+V4-MEMORY's fix search (``validators/memory_fixes.py``) takes a ``Contract`` as an argument, so that module never
+imports the rules: the imports run one way, rules → memory_fixes. The search judges a candidate by
+:func:`contract_beyond` of the recipe it fixes: a failure the recipe already had and the candidate leaves exactly
+as it was (a cudnn stage V4-KERNEL-AVAILABLE refuses, under a cp fix for memory) is another rule's business and
+disqualifies no memory fix; a failure the candidate adds or changes does.
 """
 
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 
 from ..schema.recipe import Recipe
 from .base import RULES, Context, Finding
 
 _SEARCHING: contextvars.ContextVar[bool] = contextvars.ContextVar("memory_fix_search", default=False)
+
+Failure = tuple[str, "int | None", str, str, str]
+"""One failing check: (rule id, stage index or None for a recipe-wide rule, field, repr of the value, message)."""
 
 
 def searching() -> bool:
@@ -20,31 +27,62 @@ def searching() -> bool:
     return _SEARCHING.get()
 
 
-def contract_failures(recipe: Recipe, skip: tuple[str, ...] = ("V4-MEMORY",)) -> list[str]:
-    """The ids of the error rules (other than ``skip``) that ``recipe`` fails, in registry order.
+def contract_failures(recipe: Recipe, skip: tuple[str, ...] = ("V4-MEMORY",),
+                      known: frozenset[Failure] = frozenset()) -> list[str]:
+    """The ids of the error rules (other than ``skip``) that ``recipe`` fails, in registry order, a failure in
+    ``known`` (the same rule, stage, field, value and message) not counted.
 
     A rule that raises counts as failed (the report shows such a crash as a failure too).
     """
     token = _SEARCHING.set(True)
     try:
-        return _failures(recipe, skip)
+        return list(dict.fromkeys(f[0] for f in _failures(recipe, skip, known, first_only=True)))
     finally:
         _SEARCHING.reset(token)
 
 
-def _failures(recipe: Recipe, skip: tuple[str, ...]) -> list[str]:
+_BEYOND: dict[int, tuple[Recipe, Callable[[Recipe], list[str]]]] = {}
+
+
+def contract_beyond(original: Recipe) -> Callable[[Recipe], list[str]]:
+    """The contract a fix of ``original`` must pass: :func:`contract_failures` with ``original``'s own failures
+    known, so a candidate is refused only for a failure it adds or changes. One callable per recipe object (the
+    whole-recipe search caches its answer per recipe and contract; V4-MEMORY and V4-EP-FOLD then share it)."""
+    hit = _BEYOND.get(id(original))
+    if hit is not None and hit[0] is original:
+        return hit[1]
+    if len(_BEYOND) > 8:
+        _BEYOND.clear()
+    token = _SEARCHING.set(True)
+    try:
+        known = frozenset(_failures(original, ("V4-MEMORY",), frozenset(), first_only=False))
+    finally:
+        _SEARCHING.reset(token)
+
+    def contract(recipe: Recipe) -> list[str]:
+        return contract_failures(recipe, known=known)
+
+    _BEYOND[id(original)] = (original, contract)
+    return contract
+
+
+def _failures(recipe: Recipe, skip: tuple[str, ...], known: frozenset[Failure], first_only: bool) -> list[Failure]:
+    """The failing checks of ``recipe`` not in ``known``; with ``first_only`` at most one per rule."""
     contexts = {"recipe": [Context(recipe)],
                 "stage": [Context(recipe, i) for i in range(len(recipe.curriculum.stages))]}
-    failed = []
+    failed: list[Failure] = []
     for rule in RULES.values():
         if rule.id in skip or rule.severity != "error":
             continue
         for ctx in contexts[rule.scope]:
             try:
                 out = rule.check(ctx)
-            except Exception:  # noqa: BLE001 - as the report: a crash is a failure
-                out = [None]
-            if isinstance(out, Finding) or (isinstance(out, list) and out):
-                failed.append(rule.id)
+            except Exception as exc:  # noqa: BLE001 - as the report: a crash is a failure
+                out = [Finding("", None, f"crashed: {exc!r}")]
+            found = [out] if isinstance(out, Finding) else out if isinstance(out, list) else []
+            new = [f for f in ((rule.id, ctx.index, x.field, repr(x.value), x.message) for x in found)
+                   if f not in known]
+            failed.extend(new[:1] if first_only else new)
+            if new and first_only:
                 break
     return failed

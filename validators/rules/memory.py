@@ -6,7 +6,7 @@ from ..memory_fixes import fit_proposals
 from ..memory_fixes_whole import forcing_stage, whole_recipe_fit
 from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, budget_bytes, memory_plan
 from .base import Context, rule
-from .contract import contract_failures
+from .contract import contract_beyond
 
 
 def _gib(n: int) -> str:
@@ -48,10 +48,11 @@ def check_memory(ctx: Context):
 def _fix_text(ctx: Context, budget: int) -> str:
     """The fix of an over-budget stage: edits on the recipe's nodes that make this stage fit, else one set of
     edits for the whole curriculum (``memory_fixes_whole.whole_recipe_fit``), else what is left to change."""
-    found = fit_proposals(ctx.recipe, ctx.index, contract_failures)
+    contract = contract_beyond(ctx.recipe)  # failures the recipe already has, left as they are, do not count
+    found = fit_proposals(ctx.recipe, ctx.index, contract)
     if found:
         return "set " + ", or ".join(p.text() for p in found)
-    whole = whole_recipe_fit(ctx.recipe, contract_failures)
+    whole = whole_recipe_fit(ctx.recipe, contract)
     if whole is None and budget <= HEADROOM_FIXED_BYTES:
         return (f"the budget {_gib(budget)} is below the plan's fixed headroom ({_gib(HEADROOM_FIXED_BYTES)}: CUDA "
                 "context, Triton, NCCL), which no layout changes: raise cluster.gpu_memory_gib or unset it (the GPU "

@@ -8,7 +8,7 @@ from ..memory_fixes import divisors, with_edits
 from ..memory_fixes_whole import whole_recipe_fit
 from ..memory_plan import PlanUnavailable, memory_plan
 from .base import Context, micro_batches, rule
-from .contract import contract_failures, searching
+from .contract import contract_beyond, searching
 
 
 @rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
@@ -97,7 +97,7 @@ def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
             return plain
     except (PlanUnavailable, ValueError, ZeroDivisionError):
         return plain
-    whole = whole_recipe_fit(recipe, contract_failures)
+    whole = whole_recipe_fit(recipe, contract_beyond(recipe))
     if whole is None:
         return plain + "; but then the memory plan does not fit, nor does any layout the search tries (V4-MEMORY)"
     return (f"set {whole.edits_text()} (an ep of {ep} alone would fold over dp·cp but not fit the memory plan "
