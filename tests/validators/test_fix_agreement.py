@@ -144,3 +144,14 @@ def test_a_candidate_that_changes_a_standing_failure_still_counts(base_file: Pat
     assert contract(recipe) == [] and contract_beyond(recipe) is contract
     assert "V4-BATCH" in contract(with_edits(recipe, {"cluster.nodes": 2}))  # dp 8: another V4-BATCH finding
 
+
+@pytest.mark.parametrize("recipe, bad", [("flash_4n.yaml", ["parallel.ep=3"]), ("fixture", ["parallel.ep=3"]),
+                                         ("fixture", ["parallel.ep=16"])])
+def test_ep_experts_and_ep_fold_print_one_memory_checked_fix(recipe: str, bad: list[str], base_file: Path):
+    """V4-EP-EXPERTS proposed ep=2 unchecked where V4-EP-FOLD proposed the memory rule's whole fix (flash_4n)."""
+    path = base_file if recipe == "fixture" else RECIPES / recipe
+    report = validate_file(path, bad)
+    fixes = {v.fix for v in report.violations if v.rule_id in ("V4-EP-EXPERTS", "V4-EP-FOLD")}
+    assert len(fixes) == 1, fixes
+    (edits,) = _alternatives(fixes.pop())
+    assert validate_file(path, [*bad, *edits]).ok, edits

@@ -56,13 +56,7 @@ def check_ep_experts(ctx: Context):
     """
     n, ep = ctx.model.moe.n_routed_experts, ctx.parallel.ep
     if n % ep:
-        tp_pp = ctx.parallel.tp * ctx.parallel.pp
-        world = ctx.recipe.cluster.world_size
-        fold = world // tp_pp if world % tp_pp == 0 else n  # dp·cp, the same in every stage (V4-EP-FOLD)
-        best = max((d for d in divisors(gcd(fold, n)) if d <= ep), default=1)
-        return ctx.finding("parallel.ep", ep, f"{n} routed experts are not divisible by ep={ep}",
-                           f"set parallel.ep={best} (the largest ep up to {ep} that divides the {n} routed experts "
-                           f"and dp·cp = {fold})")
+        return ctx.finding("parallel.ep", ep, f"{n} routed experts are not divisible by ep={ep}", ep_fix(ctx.recipe))
     return ctx.ok("parallel.ep", ep, f"{n // ep} experts per rank")
 
 
@@ -77,14 +71,24 @@ def check_ep_fold(ctx: Context):
         return ctx.na("DP undefined (V4-WORLD-SIZE)")
     ep, fold = ctx.parallel.ep, ctx.dp * ctx.cp
     if fold % ep:
-        experts = ctx.model.moe.n_routed_experts
-        common = divisors(gcd(fold, experts))  # fold = world / (tp·pp), the same in every stage
-        best = max((d for d in common if d <= ep), default=max(common))
-        fix = (f"set parallel.ep={best} (the largest ep up to {ep} that divides dp·cp = {fold}, the same "
-               f"in every stage, and the {experts} routed experts)")
         return ctx.finding("parallel.ep", ep, f"ep={ep} does not divide dp·cp = {ctx.dp}·{ctx.cp} = {fold}",
-                           fix if searching() else _memory_whole_fix(ctx.recipe, best, fix))
+                           ep_fix(ctx.recipe))
     return ctx.ok("parallel.ep", ep, f"dp·cp = {fold}")
+
+
+def ep_fix(recipe) -> str:
+    """The one fix V4-EP-EXPERTS and V4-EP-FOLD print for an ep that splits the routed experts or dp·cp unevenly:
+    ``set parallel.ep=E``, E the largest ep up to the recipe's that divides both the experts and dp·cp = world /
+    (tp·pp) (the same in every stage; the experts alone when tp·pp does not divide the world), when E also fits
+    the memory plan; else the memory rule's whole-recipe fix (:func:`_memory_whole_fix`). While a fix search checks
+    a candidate (``searching()``), the plain ``set parallel.ep=E``, so the search never nests."""
+    p, experts = recipe.parallel, recipe.model.moe.n_routed_experts
+    world = recipe.cluster.world_size
+    fold = world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else experts
+    best = max(d for d in divisors(gcd(fold, experts)) if d <= p.ep)  # 1 always divides both
+    plain = (f"set parallel.ep={best} (the largest ep up to {p.ep} that divides the {experts} routed experts and "
+             f"dp·cp = {fold}, the same in every stage)")
+    return plain if searching() else _memory_whole_fix(recipe, best, plain)
 
 
 def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
