@@ -18,11 +18,12 @@ class PlanUnavailable(ValueError):
 
 
 def virtual_stages(recipe: Recipe) -> list[tuple[str, ...]]:
-    """Symbols of each virtual stage (one stage with everything when pp · vpp = 1).
+    """Symbols of each virtual stage (one stage with everything when pp · vpp = 1, as the job runs it, whatever
+    ``parallel.pp_layout`` says: V4-PP-LAYOUT refuses a layout there).
 
     Raises: PlanUnavailable for a layout that does not parse or does not fit the model (V4-PP-LAYOUT*)."""
     p, m = recipe.parallel, recipe.model
-    if p.pp * p.vpp == 1 and p.pp_layout is None:
+    if p.pp * p.vpp == 1:
         return [("E",) + ("t",) * m.n_layers + ("m",) * m.mtp.depth + ("L",)]
     if p.pp_layout is None:
         raise PlanUnavailable("parallel.pp_layout is required when pp·vpp > 1 (V4-PP-LAYOUT)")

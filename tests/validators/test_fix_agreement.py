@@ -84,6 +84,19 @@ def test_pp_1_with_vpp_4_gets_one_fix_from_both_pipeline_rules(base_file: Path):
     assert validate_file(base_file, [*bad, "parallel.vpp=1", "parallel.pp_layout=null"]).ok
 
 
+@pytest.mark.parametrize("layout", ["Et*8mL", "Et*8L", "Et*4|t*4mL"])
+def test_a_layout_at_pp_vpp_1_is_refused_with_one_fix(layout: str, base_file: Path):
+    """A one-stage layout at pp·vpp = 1 was accepted and never read by the job; a broken one got V4-PP-MTP-WITH-LOSS's
+    layout fix, which V4-PP-LAYOUT then refused."""
+    bad = ["parallel.pp=1", f"parallel.pp_layout={layout}"]
+    report = validate_file(base_file, bad)
+    (v,) = report.violations
+    assert (v.rule_id, v.field, v.value) == ("V4-PP-LAYOUT", "parallel.pp_layout", layout)
+    assert "pp·vpp = 1" in v.message and v.fix.startswith("set parallel.pp_layout=null ")
+    assert _alternatives(v.fix) == [["parallel.pp_layout=null"]]
+    assert validate_file(base_file, [*bad, "parallel.pp_layout=null"]).ok
+
+
 def test_kernel_available_offers_triton_only_with_the_warmup_stage_on_reference(base_file: Path):
     """On SM90 V4-KERNEL-AVAILABLE offered triton for a warm-up stage that V4-SM90-DENSE-LOSS then refused."""
     bad = ["attention.kernel_backend=cudnn", "curriculum.stages.1.kernel_backend=null"]  # stage 1 inherits it

@@ -176,9 +176,10 @@ class Context:
     # -- pipeline layout (parsed once per context) ----------------------------------------
     @cached_property
     def layout(self) -> Layout | None:
-        """The parsed ``parallel.pp_layout``; None when unset or unparseable."""
+        """The parsed ``parallel.pp_layout``; None when unset, unparseable or unread (at pp·vpp = 1 the job runs
+        the whole model as one stage: V4-PP-LAYOUT refuses the layout, and no other rule judges it)."""
         text = self.parallel.pp_layout
-        if text is None:
+        if text is None or self.parallel.pp * self.parallel.vpp == 1:
             return None
         try:
             return parse_layout(text)

@@ -39,6 +39,10 @@ def check_layout_structure(ctx: Context):
             return ctx.finding("parallel.pp_layout", None, f"pp·vpp = {p.pp * p.vpp} stages need an explicit layout",
                                _proposed_layout_fix(ctx))
         return ctx.na("single stage, no layout")
+    if p.pp * p.vpp == 1:
+        return ctx.finding("parallel.pp_layout", p.pp_layout,
+                           "pp·vpp = 1: the job runs the whole model as one stage and never reads a layout",
+                           "set parallel.pp_layout=null (a layout takes effect with parallel.pp > 1)")
     if ctx.layout is None:
         return ctx.na("layout does not parse (V4-PP-LAYOUT-SYNTAX)")
     fix = _proposed_layout_fix(ctx) if ctx.layout_problems else None
