@@ -18,6 +18,10 @@ what is not):
   and backward and reduce-scatters their gradients, per micro-batch; without it, one gradient all-reduce per
   step; routed experts replicated over dp·cp / ep all-reduce their gradients.
 
+A stage's wall time adds its held-out evaluations to steps x step time: ``eval_cost.evaluations`` of them (one
+at the stage end, plus one after every ``logging.eval_interval_steps``-th step), each
+``eval_cost.eval_step_fraction`` of a step (forward only over the held-out micro-batches).
+
 No term is assumed to overlap another (the communication adds to the compute: an upper bound where the job
 overlaps). Units: seconds, FLOPs, bytes, GB/s = 1e9 bytes per second.
 """
@@ -30,6 +34,7 @@ from typing import Any
 
 from . import derived
 from .cost_model import _common, _ratio, balance_ratio, stage_costs, unit_costs
+from .eval_cost import eval_step_fraction, evaluations
 from .layout import Layout
 from .memory_storage import stored_low
 from .param_count import model_params
@@ -157,7 +162,10 @@ class StageTime:
         steps: optimizer steps (``steps``, or ``ceil(tokens / tokens_per_step)``). tokens_per_step: global.
         flops_per_step: FLOPs of one step, all GPUs. compute_s: compute of one step on the busiest GPU,
             balance and bubble included. ep_s, cp_s, dp_s: the communication terms of one step.
-        step_s: compute_s + ep_s + cp_s + dp_s. wall_s: steps x step_s. gpu_hours: wall_s / 3600 x world.
+        step_s: compute_s + ep_s + cp_s + dp_s. evaluations: held-out evaluations in the stage (its end, plus
+            one every ``logging.eval_interval_steps`` steps). eval_s: their seconds, each
+            ``eval_cost.eval_step_fraction`` x step_s. wall_s: steps x step_s + eval_s.
+            gpu_hours: wall_s / 3600 x world.
         segments: Slurm jobs of ``slurm.time_min`` the stage needs (each gives ``time_min x 60 -
             signal_delay_s`` seconds of training).
     """
@@ -172,6 +180,8 @@ class StageTime:
     cp_s: float
     dp_s: float
     step_s: float
+    evaluations: int
+    eval_s: float
     wall_s: float
     gpu_hours: float
     segments: int
@@ -213,8 +223,10 @@ def stage_time(recipe: Recipe, index: int) -> StageTime | None:
                           * passes, cp, gpn, intra, inter, ring=True)
     dp_s = _dp_seconds(recipe, dp * cp, accum, gpn, intra, inter)
     step = compute + ep_s + cp_s + dp_s
-    wall = steps * step
-    return StageTime(stage.name, steps, tokens, flops, compute, bubble, ep_s, cp_s, dp_s, step, wall,
+    n_eval = evaluations(steps, recipe.logging.eval_interval_steps)
+    eval_s = n_eval * eval_step_fraction(dp, accum, recompute=p.recompute_granularity == "full") * step
+    wall = steps * step + eval_s
+    return StageTime(stage.name, steps, tokens, flops, compute, bubble, ep_s, cp_s, dp_s, step, n_eval, eval_s, wall,
                      wall / 3600 * c.world_size, ceil(wall / segment_seconds(recipe)))
 
 
@@ -280,6 +292,8 @@ class TimePlan:
     def to_dict(self) -> dict[str, Any]:
         return {"stages": [s.to_dict() for s in self.stages],
                 "total": {"steps": sum(s.steps for s in self.stages), "wall_s": self.wall_s, "gpu_hours": self.gpu_hours,
+                          "evaluations": sum(s.evaluations for s in self.stages),
+                          "eval_s": sum(s.eval_s for s in self.stages),
                           "segments": sum(s.segments for s in self.stages)},
                 "assumptions": {"gpu": self.gpu, "world": self.world, "peak_tflops": self.peak_tflops,
                                 "achieved_fraction_of_peak": round(self.calibration.fraction_of_peak, 4),

@@ -129,8 +129,11 @@ def test_pipeline_bubble_is_the_1f1b_fraction():
         assert stage_time(recipe, i).bubble == pytest.approx((p.pp - 1) / (p.vpp * accum))
 
 
-def test_totals_steps_wall_gpu_hours_and_segments():
-    recipe = load_recipe(RECIPES / "flash_4n.yaml", []).recipe
+@pytest.mark.parametrize("eval_every", [0, 100])
+def test_totals_steps_wall_gpu_hours_and_segments(eval_every: int):
+    """Wall time is steps x step time plus the held-out evaluations: one at each stage end and one after every
+    logging.eval_interval_steps-th step, each ceil(8 / dp) forwards against accum x 4 (whole-layer recompute)."""
+    recipe = load_recipe(RECIPES / "flash_4n.yaml", [f"logging.eval_interval_steps={eval_every}"]).recipe
     plan = time_plan(recipe)
     world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
     usable = recipe.slurm.time_min * 60 - recipe.slurm.signal_delay_s
@@ -138,7 +141,12 @@ def test_totals_steps_wall_gpu_hours_and_segments():
         tokens = recipe.stage_global_batch(stage) * stage.seq_len
         assert est.steps == ceil(stage.tokens / tokens)
         assert est.step_s == pytest.approx(est.compute_s + est.ep_s + est.cp_s + est.dp_s)
-        assert est.wall_s == pytest.approx(est.steps * est.step_s)
+        dp = recipe.stage_dp(stage)
+        accum = recipe.stage_global_batch(stage) // dp  # micro_batch_size 1
+        evals = 1 + ((est.steps - 1) // eval_every if eval_every else 0)
+        assert est.evaluations == evals and (evals > 1) == (eval_every > 0)
+        assert est.eval_s == pytest.approx(evals * ceil(8 / dp) / (accum * 4) * est.step_s)
+        assert est.wall_s == pytest.approx(est.steps * est.step_s + est.eval_s)
         assert est.gpu_hours == pytest.approx(est.wall_s / 3600 * world)
         assert est.segments == ceil(est.wall_s / usable)
     assert segment_seconds(recipe) == usable

@@ -231,20 +231,28 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
+def _eval_time(seconds: float) -> str:
+    """The held-out evaluations' time: '7 s', '6 min', else as :func:`_duration`."""
+    return f"{seconds / 60:.0f} min" if 120 <= seconds < 7200 else _duration(seconds)
+
+
 def _time_table(report: Report) -> tuple[Table, str] | None:
     """The time plan (``validators/time_plan.py``): one row per stage and the total, then what it assumes."""
     plan = report.time
     if not plan:
         return None
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for name in ("stage", "steps", "tokens/step", "step s", "compute · EP · CP · DP s", "wall", "GPU-h", "segments"):
+    for name in ("stage", "steps", "tokens/step", "step s", "compute · EP · CP · DP s", "evals", "wall", "GPU-h",
+                 "segments"):
         table.add_column(name, justify="left" if name.startswith(("stage", "compute")) else "right")
     for s in plan["stages"]:
         parts = " · ".join(f"{s[k]:.1f}" for k in ("compute_s", "ep_s", "cp_s", "dp_s"))
         table.add_row(s["name"], f"{s['steps']:,}", f"{s['tokens_per_step']:,}", f"{s['step_s']:.2f}", parts,
-                      _duration(s["wall_s"]), f"{s['gpu_hours']:,.0f}", str(s["segments"]))
+                      f"{s['evaluations']:,} · {_eval_time(s['eval_s'])}", _duration(s["wall_s"]),
+                      f"{s['gpu_hours']:,.0f}", str(s["segments"]))
     t = plan["total"]
-    table.add_row(Text("total", style="bold"), f"{t['steps']:,}", "", "", "", Text(_duration(t["wall_s"]), style="bold"),
+    table.add_row(Text("total", style="bold"), f"{t['steps']:,}", "", "", "", f"{t['evaluations']:,} · "
+                  f"{_eval_time(t['eval_s'])}", Text(_duration(t["wall_s"]), style="bold"),
                   Text(f"{t['gpu_hours']:,.0f}", style="bold"), str(t["segments"]))
     a = plan["assumptions"]
     note = (f"{a['world']} x {a['gpu']} at {a['achieved_fraction_of_peak']:.1%} of {a['peak_tflops']:.0f} TFLOPS "
