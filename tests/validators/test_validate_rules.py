@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
 
-from validate_helpers import RECIPES, validate_file
+from validate_helpers import RECIPES, invoke, validate_file
 from v4launch.validators import RULES
 from validator_fixtures import CASES, unimplemented_refusals
 
@@ -100,8 +102,12 @@ FULL_RECOMPUTE = {"flash.yaml", "flash_4n.yaml", "flash_8n.yaml", "pro.yaml", "p
 
 
 @pytest.mark.parametrize("name", SHIPPED)
-def test_shipped_recipe_validates_clean(name: str):
+def test_shipped_recipe_validates_clean(name: str, in_tmp: Path):
+    """Every shipped recipe validates clean but the over-budget one, and every fix validate prints for a failing
+    one, pasted as printed (the `v4launch validate …` line), validates clean."""
     report = validate_file(RECIPES / name)
+    if report.violations:
+        _printed_fixes_validate(RECIPES / name)
     problems = [f"{v.rule_id} [{v.stage}] {v.field}={v.value!r}: {v.message}" for v in report.violations + report.warnings]
     if name in FULL_RECOMPUTE:
         assert {w.rule_id for w in report.warnings} == {"V4-RECOMPUTE-REPLAY"}, problems
@@ -111,6 +117,17 @@ def test_shipped_recipe_validates_clean(name: str):
         assert {v.stage for v in report.violations} == {s.name for s in report.stages}
         return
     assert not problems, f"{name} should validate clean: {problems}"
+
+
+def _printed_fixes_validate(path: Path) -> None:
+    """Run ``v4launch validate PATH``, then each distinct ``fix: run `…``` command it prints: each exits 0."""
+    code, out, _, exc = invoke(["validate", str(path)])
+    assert exc is None and code == 1
+    commands = list(dict.fromkeys(re.findall(r"run `(v4launch validate [^`]+)`", out)))
+    assert commands, out[-2000:]
+    for command in commands:
+        code, again, _, exc = invoke(shlex.split(command)[1:])
+        assert exc is None and code == 0, (command, [ln for ln in again.splitlines() if ln.startswith("fail")])
 
 
 def test_flash_4n_shape():
