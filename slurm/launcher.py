@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import RefusedError
-from ..launchers import (LaunchInfo, Launcher, RunStatus, follow_files, last_metrics, latest_checkpoint_path,
-                         nothing_to_cancel)
+from ..launchers import LaunchInfo, Launcher, RunStatus, last_metrics, latest_checkpoint_path, nothing_to_cancel
+from ..run_logs import follow_files
 from . import ledger, query
 from .render import SUBMITIT_DIR
 from .states import job_state, run_state
@@ -212,7 +212,7 @@ class SlurmLauncher(Launcher):
 
         Raises:
             UsageError: ``rank`` is not a rank of the run (0 .. cluster.nodes · gpus_per_node - 1)."""
-        from ..launchers import check_rank
+        from ..run_logs import check_rank
         from ..rundir import load_run
 
         if rank is not None:

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 from .errors import RefusedError, UsageError
 from .rundir import RunPaths, read_run_json, write_json_atomic
+from .run_logs import check_rank, describe_failure, exit_words, follow_files, log_tail
 from .training.result import TrainResult
 
 RUNNING = "running"
@@ -195,86 +196,6 @@ def files_status(run_dir: Path, launcher: str, state: str, detail: dict[str, Any
     if ckpt is not None and (step is None or (checkpoint_step(ckpt) or 0) > step):
         step = checkpoint_step(ckpt)
     return RunStatus(state=state, launcher=launcher, step=step, stage=rec.get("stage"), checkpoint=ckpt, detail=detail)
-
-
-def check_rank(run_dir: Path, rank: int | None, world: int) -> None:
-    """Refuse a ``--rank`` that is not a rank of the run.
-
-    Raises:
-        UsageError: ``rank`` outside 0 .. ``world`` - 1 (the message names the run's world size)."""
-    if rank is not None and not 0 <= rank < world:
-        raise UsageError(f"--rank {rank}: run {Path(run_dir).name} has ranks 0..{world - 1} (world size {world})",
-                         hint=f"pass --rank between 0 and {world - 1}, or leave it out for every rank's log")
-
-
-def follow_files(paths: list[Path], still_running, poll_s: float = 1.0, tail: int | None = None) -> Iterator[str]:
-    """Yield lines of ``paths`` as they grow while ``still_running()``; then the remainder. ``tail``: of what each
-    file holds at the start, only its last ``tail`` lines (None: all of it)."""
-    offsets = {p: 0 for p in paths}
-    if tail is not None:
-        for p in paths:
-            try:
-                with p.open(errors="replace") as f:
-                    lines = f.read().splitlines()
-                    offsets[p] = f.tell()
-            except OSError:
-                continue
-            yield from (lines[-tail:] if tail > 0 else [])
-    while True:
-        running = still_running()
-        for p in paths:
-            try:
-                with p.open() as f:
-                    f.seek(offsets[p])
-                    chunk = f.read()
-                    offsets[p] = f.tell()
-            except OSError:
-                continue
-            yield from chunk.splitlines()
-        if not running:
-            return
-        time.sleep(poll_s)
-
-
-def log_tail(path: Path, lines: int = 20) -> list[str]:
-    """The last ``lines`` lines of ``path`` ([] when it cannot be read)."""
-    try:
-        return path.read_text(errors="replace").rstrip().splitlines()[-lines:]
-    except OSError:
-        return []
-
-
-def exit_words(code: int) -> str:
-    """``exit code 1`` or ``killed by SIGKILL (signal 9)`` for a Popen return code."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "an unknown signal"
-        return f"killed by {name} (signal {-code})"
-    return f"exit code {code}"
-
-
-def describe_failure(codes: list[int], exit_order: list[int], logs: Path) -> dict[str, Any]:
-    """Which rank made a multi-process run fail, how, and where its output is.
-
-    The cause is the first rank that ended with a non-zero code (the others typically fail after
-    it, on the lost peer); when no rank failed (rank 0 left no result) it is rank 0.
-
-    Returns:
-        ``{"failed_rank", "failure", "log"}``: the rank, a sentence (its exit code or signal, then
-        how the other ranks ended), and its output ``logs/worker<R>.out`` (stdout and stderr: the
-        traceback), or its ``logs/rank<R>.log`` when that output is empty and the log exists (a rank
-        killed by a signal wrote no error: its log says how far it got).
-    """
-    order = exit_order + [r for r in range(len(codes)) if r not in exit_order]
-    rank = next((r for r in order if codes[r] != 0), 0)
-    others = [f"rank {r} {exit_words(codes[r])}" for r in order if r != rank]
-    what = (f"rank {rank} {exit_words(codes[rank])}" if codes[rank] != 0
-            else "rank 0 exited without a result") + (f" first; then {', '.join(others)}" if others else "")
-    out, rank_log = logs / f"worker{rank}.out", logs / f"rank{rank}.log"
-    log = rank_log if not log_tail(out, 1) and rank_log.is_file() else out
-    return {"failed_rank": rank, "failure": what, "log": str(log)}
 
 
 # ---------------------------------------------------------------- local
