@@ -10,6 +10,10 @@ metrics.jsonl (rank 0) holds one JSON object per line:
   stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``)
 * ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
 
+Rank 0 also replaces ``logs/progress.rank0.json`` after every step (:func:`progress_record`: where the step is in its
+stage, the stage's planned steps, tokens/s, lm loss, cumulative training seconds), so the launcher's live bars move at
+every step, not only at the logged ones (``v4launch.live_progress``).
+
 TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …), and so
 does every tracker (``trackers.py``: Weights & Biases), under the same names at the same steps.
 The console shows a rich progress bar on a TTY, else (or with ``progress=False``) one plain line
@@ -24,6 +28,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from ..rundir import write_json_atomic
+
+PROGRESS_FILE = "progress.rank0.json"
+"""Rank 0's per-step progress record, in the run's ``logs/`` (replaced atomically after every step)."""
 
 
 def _fmt(v: float | None, spec: str = ".4f") -> str:
@@ -63,6 +72,17 @@ def memory_gib(device: Any) -> dict[str, float]:
     return out
 
 
+def progress_record(rec: dict[str, Any], stage_steps: int) -> dict[str, Any]:
+    """The per-step progress record of a train record ``rec`` whose stage plans ``stage_steps`` optimizer steps:
+    ``step``, ``step_in_stage``, ``stage``, ``stage_index``, ``phase``, ``stage_steps``, ``lm_loss`` (nats/token),
+    ``tokens_per_s``, ``step_time_s`` and ``elapsed_s`` (the job's cumulative training seconds), ``time`` (Unix
+    seconds when written). Every value is one the step's record already holds on the host: writing it adds no
+    device synchronisation."""
+    keys = ("step", "step_in_stage", "stage", "stage_index", "phase", "lm_loss", "tokens_per_s", "step_time_s",
+            "elapsed_s")
+    return {**{k: rec.get(k) for k in keys}, "stage_steps": stage_steps, "time": time.time()}
+
+
 def train_scalars(rec: dict[str, Any]) -> dict[str, float]:
     """The scalars of a train record, by TensorBoard tag (``loss/lm``, ``aux/<name>``, ``lr/adamw``, …)."""
     out = {"loss/lm": rec["lm_loss"], "loss/total": rec["total_loss"]}
@@ -90,6 +110,7 @@ class MetricsLogger:
         (run_dir / "logs").mkdir(exist_ok=True)
         self._log = (run_dir / "logs" / f"rank{rank}.log").open("a", buffering=1)
         self._jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1) if self.main else None
+        self._progress_file = run_dir / "logs" / PROGRESS_FILE if self.main else None
         self._tb = None
         self._trackers = list(trackers) if self.main else []
         if self.main and tensorboard:
@@ -124,8 +145,10 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(rec, sort_keys=True) + "\n")
 
-    def step(self, rec: dict[str, Any], *, first_step_this_job: int, show: bool) -> None:
-        """Record one training step (``rec`` as documented above); ``show``: also print / write it."""
+    def step(self, rec: dict[str, Any], *, first_step_this_job: int, show: bool, stage_steps: int | None = None) -> None:
+        """Record one training step (``rec`` as documented above); ``show``: also print / write it;
+        ``stage_steps``: the steps its stage plans (given: rank 0 replaces ``logs/progress.rank0.json``, whatever
+        ``show``; after the record's metrics.jsonl line, so a reader of both never sees the file ahead of the line)."""
         done = rec["step"] - first_step_this_job
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (self.total_steps - rec["step"]) if done > 0 else None
@@ -134,11 +157,12 @@ class MetricsLogger:
             stats = (f"lm {rec['lm_loss']:.3f} kl {_fmt(s.get('indexer_kl'), '.3f')} bal {_fmt(s.get('balance'), '.3f')}"
                      f" mtp {_fmt(s.get('mtp'), '.3f')} {rec['tokens_per_s']:.0f} tok/s")
             self._progress.update(self._task, completed=rec["step"], stage=rec["stage"], phase=rec["phase"], stats=stats)
-        if not show:
-            return
-        self._write(rec)
-        self._line(summary_line(rec, self.total_steps, eta), console=self._progress is None)
-        self._scalars(train_scalars(rec), rec["step"])
+        if show:
+            self._write(rec)
+            self._line(summary_line(rec, self.total_steps, eta), console=self._progress is None)
+            self._scalars(train_scalars(rec), rec["step"])
+        if self._progress_file is not None and stage_steps is not None:
+            write_json_atomic(self._progress_file, progress_record(rec, stage_steps))
 
     def _scalars(self, scalars: dict[str, float], step: int) -> None:
         """``scalars`` at ``step`` to TensorBoard and every tracker."""

@@ -466,7 +466,8 @@ class Runner:
                     "aux_weighted": stats.weighted, "total_loss": stats.total, "grad_norm": stats.grad_norm,
                     "tokens_per_s": stats.tokens / max(dt, 1e-9), "step_time_s": dt, "elapsed_s": p.elapsed_s,
                     **memory_gib(self.info.device)})
-        self.metrics.step(rec, first_step_this_job=self.first_step, show=show)
+        self.metrics.step(rec, first_step_this_job=self.first_step, show=show,
+                          stage_steps=self.plans[rec["stage_index"]].steps)
         self._refuse_non_finite(rec)
 
     def _refuse_non_finite(self, rec: dict[str, Any]) -> None:
