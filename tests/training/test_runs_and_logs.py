@@ -102,3 +102,69 @@ def test_logs_follow_prints_new_lines_until_the_run_ends(ws):
     lines = list(LocalLauncher().logs(run, follow=True, rank=0, tail=1))
     writer.join()
     assert lines == ["old 2", "new 0", "new 1"]
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """The CLI's output console as an 80-column terminal; returns a function giving what it drew, colours off."""
+    import io
+
+    from rich.console import Console
+
+    from v4launch.cli.common import OUT
+
+    buf = io.StringIO()
+    monkeypatch.setattr(OUT, "console", Console(file=buf, force_terminal=True, width=80, color_system=None))
+    return buf.getvalue
+
+
+def table_rows(lines: list[str]) -> list[list[str]]:
+    """The body rows of a rich table as drawn: each cell's pieces (one per drawn line) joined without spaces."""
+    rows: list[list[str]] = []
+    for line in lines:
+        if line.startswith("│"):
+            cells = [c.strip() for c in line[1:-1].split("│")]
+            if cells[0]:
+                rows.append(cells)
+            else:
+                rows[-1] = [a + b for a, b in zip(rows[-1], cells)]
+    return rows
+
+
+@pytest.fixture
+def slurm_says(monkeypatch):
+    """squeue / sacct stood in for: job 121 completed its stage, job 122 runs the next."""
+    from v4launch.slurm import query
+
+    states = {"121": "COMPLETED", "122": "RUNNING"}
+    monkeypatch.setattr(query, "current_states", lambda ids: {j: states[j] for j in ids if j in states})
+    monkeypatch.setattr(query, "queue_states", lambda ids: {j: states[j] for j in ids if states.get(j) == "RUNNING"})
+    monkeypatch.setattr(query, "pending_reasons", lambda ids: {})
+    monkeypatch.setattr(query, "accounting", lambda ids: {})
+
+
+def test_runs_draws_a_table_on_a_terminal(ws, terminal, slurm_says):
+    """On an 80-column terminal the run names stay whole (they are what one copies); stage, start time and job
+    ids fold instead."""
+    from v4launch.cli.runs import runs
+
+    runs(root=str(ws / "runs"))
+    lines = [line.rstrip() for line in terminal().splitlines()]
+    assert lines[0] == f"runs in {ws / 'runs'}"
+    assert all(len(line) <= 80 for line in lines)  # fits the terminal
+    assert "━" in lines[1] and lines[2].startswith("┃")  # a drawn table, not the plain columns of a pipe
+    slurm, local = table_rows(lines)
+    assert slurm[0] == "tiny_cpu-20260101-100000" and slurm[-1] == "121,122"  # oldest first, with its job chain
+    assert local[:5] == ["tiny_cpu-20260102-090000", "completed", "sparse_2k", "150", "2.250"]
+    assert local[5].startswith("2026-01-02") and local[5].endswith("09:00:00") and local[6] == "-"
+
+
+def test_status_of_a_slurm_run_names_its_job_chain(ws, terminal, slurm_says):
+    from v4launch.cli.status import status
+
+    status(run=str(ws / "runs" / "tiny_cpu-20260101-100000"))
+    shown = terminal()
+    assert "Slurm jobs: 121 -> 122" in shown.splitlines(), shown
+    assert "┃ job " in shown  # Slurm job ids title the first column (a local run's say pid)
+    local = LocalLauncher().status(ws / "runs" / "tiny_cpu-20260102-090000")
+    assert local.detail.get("jobs") is None  # a local run has no chain: no such line (see _job_ids)

@@ -53,8 +53,12 @@ def runs(root: RootOpt = None, json_out: JsonOpt = False) -> None:
     cells = [_cells(r) for r in rows]
     if OUT.console.is_terminal:
         table = Table(title=f"runs in {folder}", title_justify="left")
-        for col in COLUMNS:
-            table.add_column(col, no_wrap=col != "name")
+        longest = max(len(row[0]) for row in cells)  # a name is what one copies: never cut; a narrow terminal
+        for col in COLUMNS:  # folds the stage, start time and job ids instead
+            if col in ("stage", "started", "slurm jobs"):
+                table.add_column(col, overflow="fold")
+            else:
+                table.add_column(col, no_wrap=True, min_width=longest if col == "name" else None)
         for row in cells:
             table.add_row(*map(Text, row))  # names are text, never markup
         OUT.console.print(table)
