@@ -94,6 +94,26 @@ def test_bars_move_at_every_step_from_the_per_step_record(tmp_path):
 FULL = {"aux": {}, "aux_sum": {}, "aux_weighted": {}, "total_loss": 3.0, "grad_norm": 1.0, "lr": 1e-3, "muon_lr": 0.0}
 
 
+def test_an_in_process_run_draws_the_same_bars_per_stage(tmp_path, monkeypatch):
+    """World size 1 trains in the launcher's process: its MetricsLogger draws one bar per stage on a terminal, with
+    the stage's own total (not the curriculum's), at every step."""
+    from v4launch.training.metrics import MetricsLogger
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    logger = MetricsLogger(tmp_path, rank=0, total_steps=10, tensorboard=False, progress=True)
+    for step, (stage, name, k) in enumerate([(0, "dense_512", 1), (0, "dense_512", 2), (2, "sparse_2k", 1)], 1):
+        logger.step(dict(rec(stage, name, "sparse" if stage else "dense", step, k, step * 0.5), **FULL),
+                    first_step_this_job=0, show=False, stage_steps={0: 6, 2: 3}[stage])
+    bars = logger._progress.bars()
+    logger.close()
+    assert bars == {"dense_512": (2, 6), "sparse_2k": (1, 3)}
+    assert "sparse_2k" in sys.stdout.getvalue() and "1/3" in sys.stdout.getvalue()
+
+
 def test_summary_lines_are_left_to_the_bars():
     assert SUMMARY_LINE.match("12:00:01 step 10/150 dense_512 (dense) lm 3.1 kl - bal - mtp -")
     assert not SUMMARY_LINE.match("12:00:01 checkpoint step_00000050 saved")

@@ -16,8 +16,8 @@ every step, not only at the logged ones (``v4launch.live_progress``).
 
 TensorBoard gets the same numbers as scalars (``loss/lm``, ``aux/<name>``, ``aux_sum/<kind>``, …), and so
 does every tracker (``trackers.py``: Weights & Biases), under the same names at the same steps.
-The console shows a rich progress bar on a TTY, else (or with ``progress=False``) one plain line
-per logged step; every rank appends plain lines to ``logs/rank<R>.log``.
+The console shows one rich progress bar per stage on a TTY (``v4launch.live_progress``), else (or with
+``progress=False``) one plain line per logged step; every rank appends plain lines to ``logs/rank<R>.log``.
 """
 
 from __future__ import annotations
@@ -117,27 +117,25 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
-        self._progress = self._task = None
+        self._progress: Any = None
         if self.main and progress and sys.stdout.isatty():
-            self._start_progress()
+            self._start_progress(run_dir)
         self._t0 = time.monotonic()
         self._steps_timed = 0
 
-    def _start_progress(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    def _start_progress(self, run_dir: Path) -> None:
+        """The bars of an in-process run (world size 1) on a terminal: one per stage, as the launcher draws for
+        worker processes (``v4launch.live_progress``), fed here directly at every step."""
+        from ..live_progress import LiveProgress
 
-        self._progress = Progress(TextColumn("[bold]{task.fields[stage]}[/] [cyan]{task.fields[phase]}[/]"),
-                                  BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                                  TimeRemainingColumn(), refresh_per_second=4)
-        self._task = self._progress.add_task("train", total=self.total_steps, stage="", phase="", stats="")
-        self._progress.start()
+        self._progress = LiveProgress(run_dir / "metrics.jsonl", {})
 
     def _line(self, text: str, console: bool = True) -> None:
         stamp = datetime.now().strftime("%H:%M:%S")
         self._log.write(f"{stamp} [rank{self.rank}] {text}\n")
         if self.main and console:
             if self._progress is not None:
-                self._progress.console.print(text, highlight=False)
+                self._progress.progress.console.print(text, highlight=False)
             else:
                 print(f"{stamp} {text}", flush=True)
 
@@ -153,10 +151,7 @@ class MetricsLogger:
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (self.total_steps - rec["step"]) if done > 0 else None
         if self._progress is not None:
-            s = rec.get("aux_sum", {})
-            stats = (f"lm {rec['lm_loss']:.3f} kl {_fmt(s.get('indexer_kl'), '.3f')} bal {_fmt(s.get('balance'), '.3f')}"
-                     f" mtp {_fmt(s.get('mtp'), '.3f')} {rec['tokens_per_s']:.0f} tok/s")
-            self._progress.update(self._task, completed=rec["step"], stage=rec["stage"], phase=rec["phase"], stats=stats)
+            self._progress.update({**rec, "stage_steps": stage_steps})
         if show:
             self._write(rec)
             self._line(summary_line(rec, self.total_steps, eta), console=self._progress is None)
@@ -187,7 +182,7 @@ class MetricsLogger:
     def close(self) -> None:
         """Stop the display and flush every sink."""
         if self._progress is not None:
-            self._progress.stop()
+            self._progress.progress.stop()
         if self._tb is not None:
             self._tb.close()
         for tracker in self._trackers:
