@@ -7,7 +7,8 @@
   replicas of cp context-parallel ranks); 1 → ``train()`` in this process; > 1 → that many worker
   processes on this host (gloo on CPU, nccl on CUDA) with the torchrun-style rendezvous environment set;
   rank 0's output (logs/worker0.out, its plain log lines) is echoed to the console while they run; on a
-  terminal above one progress bar per stage drawn from rank 0's metrics.jsonl (v4launch.live_progress).
+  terminal above one progress bar per stage drawn from rank 0's metrics.jsonl and its per-step
+  logs/progress.rank0.json (v4launch.live_progress).
 * ``slurm`` — ``v4launch.slurm.launcher.SlurmLauncher`` (imported lazily, only for Slurm runs).
 
 Every launcher records what it did in ``<run>/launch.json`` (state, pid or job id, result) so that
@@ -270,7 +271,7 @@ class LocalLauncher(Launcher):
 
     @staticmethod
     def _live_progress(run_dir: Path, plans: list[Any]) -> Any:
-        """Rich bars per stage drawn from rank 0's metrics.jsonl (:mod:`v4launch.live_progress`)."""
+        """Rich bars per stage drawn from rank 0's metrics.jsonl and per-step record (:mod:`v4launch.live_progress`)."""
         from .live_progress import LiveProgress
 
         return LiveProgress(RunPaths(run_dir).metrics, {p.index: p.steps for p in plans})
