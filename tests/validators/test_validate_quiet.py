@@ -25,7 +25,7 @@ def test_quiet_prints_a_finding_repeated_across_stages_once_with_its_stages(in_t
     (batch,) = _rows(out, "V4-BATCH")
     assert "dense_64k, warmup_64k, sparse_64k" in batch
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("  → ")] == \
-        ["  → V4-EP-EXPERTS", "  → V4-EP-FOLD", "  → V4-BATCH", "  → V4-RECOMPUTE-REPLAY"]
+        ["  → V4-EP-EXPERTS", "  → V4-EP-FOLD", "  → V4-BATCH", "  → V4-RECOMPUTE-REPLAY", "  → fix all"]  # 3 rules
     assert not [line for line in out.splitlines() if line.startswith(("pass", "n/a"))]
     assert "GiB per GPU" not in out and "time plan" not in out and "stage 0 dense_64k" not in out
     assert out.rstrip().splitlines()[-1].startswith("FAIL: 10 violations, 1 warning (exit 1); ")

@@ -36,10 +36,25 @@ def _edits(words: str) -> list[str] | None:
     return parts if parts and all(_EDIT.fullmatch(p) for p in parts) else None
 
 
-def _command(recipe: str, overrides: list[str], edits: list[str]) -> str:
+def kept_overrides(overrides: list[str], edits: list[str]) -> list[str]:
+    """The user's ``overrides`` less those whose key one of ``edits`` sets again (the edits then come after)."""
     keys = {e.split("=", 1)[0] for e in edits}
-    kept = [o for o in overrides if o.split("=", 1)[0] not in keys]
-    return " ".join(shlex.quote(w) for w in ["v4launch", "validate", recipe, *kept, *edits])
+    return [o for o in overrides if o.split("=", 1)[0] not in keys]
+
+
+def command_line(recipe: str, overrides: list[str], edits: list[str]) -> str:
+    """``v4launch validate RECIPE KEPT EDITS`` with each word shell-quoted (``kept_overrides``: KEPT)."""
+    return " ".join(shlex.quote(w) for w in ["v4launch", "validate", recipe, *kept_overrides(overrides, edits),
+                                             *edits])
+
+
+def alternatives(fix: str) -> list[list[str]]:
+    """The edits of each ``, or`` alternative of a ``set`` fix, in the rule's order; [] when the fix is prose
+    (``pasteable`` prints it unchanged)."""
+    if not fix.startswith("set "):
+        return []
+    out = [_edits(_split_tail(clause)[0]) for clause in fix[4:].split(", or ")]
+    return [] if any(e is None for e in out) else out  # type: ignore[misc]
 
 
 def pasteable(fix: str, recipe: str, overrides: list[str]) -> str:
@@ -58,5 +73,5 @@ def pasteable(fix: str, recipe: str, overrides: list[str]) -> str:
         edits = _edits(words)
         if edits is None:
             return fix
-        out.append(f"`{_command(recipe, overrides, edits)}`" + (sep + rest if sep else ""))
+        out.append(f"`{command_line(recipe, overrides, edits)}`" + (sep + rest if sep else ""))
     return "run " + ", or ".join(out)

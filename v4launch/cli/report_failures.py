@@ -17,6 +17,7 @@ from .fix_command import pasteable
 
 if TYPE_CHECKING:
     from ..validators import Report, Violation
+    from .combined_fix import CombinedFix
 
 STYLE = {"fail": "bold red", "warn": "yellow"}
 
@@ -39,12 +40,14 @@ def _stages(names: list[str], total: int) -> str:
     return f"all {total} stages" if len(names) == total and total > 1 else ", ".join(names)
 
 
-def render_failures(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]]) -> None:
+def render_failures(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]],
+                    combined: CombinedFix | None = None) -> None:
     """Print the header line, one row per distinct failing or warning finding with its fix, and the verdict.
 
     Args:
         report: the validation report. recipe: the validated ``Recipe`` (for the header). con: the rich console.
         command: the recipe path and overrides as given (each fix is printed as a command to paste).
+        combined: the merged fix of several failing rules, printed after the rules' own fixes (None: none).
     """
     from .validate import _cell, header  # the full report's cell and header formats
 
@@ -68,6 +71,8 @@ def render_failures(report: Report, recipe: Any, con: Any, command: tuple[str, l
             f"fix: {pasteable(v.fix, *command)}"
         printed.setdefault(v.fix, v.rule_id)
         con.print(head + Text(text, style="cyan"), soft_wrap=True)  # one line: a fix is pasted whole
+    if combined is not None:
+        con.print(combined.line(), soft_wrap=True)
     hidden = sum(1 for r in report.all_results if r.status in ("pass", "n/a"))
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from ..errors import RecipeError
 from ..workspace import Workspace
+from .combined_fix import CombinedFix, combine
 from .fix_command import pasteable
 from .common import OUT, JsonOpt, OverridesArg, reader_left, split_recipe_arg
 
@@ -85,13 +86,14 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         OUT.note(f"warning: {line}")  # the word run, submit and resume use for it
     report = validate_recipe(loaded)
     workspace.remember_recipe(str(loaded.path), extra, passed=report.ok)  # `submit` with no recipe reuses both
+    combined = None if report.ok else combine(path, extra, report)  # None unless 2+ rules fail with edits
     if write is not None:
         _write(loaded, write, force, report.ok)
     try:
         if as_json:
-            OUT.json(report.to_dict())
+            OUT.json({**report.to_dict(), "combined_fix": combined.to_dict() if combined else None})
         else:
-            render(report, loaded.recipe, command=(path, extra), quiet=quiet)
+            render(report, loaded.recipe, command=(path, extra), quiet=quiet, combined=combined)
         sys.stdout.flush()
     except BrokenPipeError:  # `v4launch validate … | head`: the exit code is still the verdict
         reader_left()
@@ -262,12 +264,14 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
     return table, note
 
 
-def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None, quiet: bool = False) -> None:
+def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = None, quiet: bool = False,
+           combined: CombinedFix | None = None) -> None:
     """Print the human report: header, recipe-wide rules, one block per stage, summary.
 
     ``command``: the recipe path and the overrides as the user gave them; each fix made of edits is then printed
     as a ``v4launch validate`` line to paste (``fix_command.pasteable``). ``quiet``: only the failing and warning
-    findings (``report_failures.render_failures``)."""
+    findings (``report_failures.render_failures``). ``combined``: the merged fix of several failing rules
+    (``combined_fix.combine``), printed as one ``fix all:`` line before the verdict."""
     from .report_failures import render_failures
 
     con = OUT.console
@@ -275,7 +279,8 @@ def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = 
     if not con.is_terminal:  # piped output: don't fold the tables at 80 columns
         con.width = max(con.width, 160)
     try:
-        (render_failures if quiet else _render)(report, recipe, con, command or (report.path or report.recipe, []))
+        (render_failures if quiet else _render)(report, recipe, con, command or (report.path or report.recipe, []),
+                                                combined)
     finally:
         con._width = saved
 
@@ -293,7 +298,8 @@ def header(report: Report, recipe: Any, con: Any) -> None:
         con.print(Text(recipe.description, style="dim"))
 
 
-def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]]) -> None:
+def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]],
+            combined: CombinedFix | None = None) -> None:
     header(report, recipe, con)
     con.print("\n[bold]recipe-wide rules[/bold]")
     shown: dict[tuple[str, str], tuple[str, str]] = {}
@@ -316,6 +322,9 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
         con.print("\n[bold]time plan[/bold] (estimated, per stage; `v4launch explain V4-SLURM-SEGMENTS`)")
         con.print(timed[0])
         con.print(Text(timed[1], style="dim"))
+    if combined is not None:
+        con.print()
+        con.print(combined.line(), soft_wrap=True)  # one line however wide: it is pasted whole
     n_err, n_warn = len(report.violations), len(report.warnings)
     verdict = "[bold green]OK[/bold green]" if report.ok else "[bold red]FAIL[/bold red]"
     con.print(f"\n{verdict}: {n_err} violation{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)} "
