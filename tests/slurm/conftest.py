@@ -26,3 +26,10 @@ def workspace(tmp_path, monkeypatch) -> Path:
     return ws
 
 
+
+
+@pytest.fixture
+def ws(tmp_path) -> Path:
+    """An empty workspace (``.v4launch/``) at a plain path; the test passes it as ``cwd``."""
+    (tmp_path / ".v4launch").mkdir()
+    return tmp_path

@@ -47,9 +47,9 @@ def cluster_problem() -> str | None:
     return None
 
 
-def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the v4launch command (a separate process, exactly as a user would)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="160")
+def cli(*args: str, cwd: Path, timeout: float = 120, columns: int = 160) -> subprocess.CompletedProcess:
+    """Run the v4launch command (a separate process, exactly as a user would) on a terminal ``columns`` wide."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS=str(columns))
     return subprocess.run([V4LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

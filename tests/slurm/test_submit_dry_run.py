@@ -4,30 +4,20 @@ sbatch scripts and the frozen recipe written into a folder a person can read, an
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+import slurm_helpers
 
 from v4launch.recipe_loading import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 FLASH_4N = str(REPO / "recipes" / "flash_4n.yaml")
 TINY = str(REPO / "recipes" / "tiny_cpu.yaml")
-V4LAUNCH = str(Path(sys.executable).with_name("v4launch"))
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="400")
-    return subprocess.run([V4LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    (tmp_path / ".v4launch").mkdir()
-    return tmp_path
+    return slurm_helpers.cli(*args, cwd=cwd, columns=400)
 
 
 def test_dry_run_shows_every_stage_job_and_writes_their_scripts(ws: Path):

@@ -3,27 +3,17 @@ overrides, said on one line; overrides given to submit replace them; a recipe na
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+import slurm_helpers
 
 REPO = Path(__file__).resolve().parents[2]
 FLASH_4N = str(REPO / "recipes" / "flash_4n.yaml")
-V4LAUNCH = str(Path(sys.executable).with_name("v4launch"))
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="400")
-    return subprocess.run([V4LAUNCH, *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
-
-
-@pytest.fixture
-def ws(tmp_path: Path) -> Path:
-    (tmp_path / ".v4launch").mkdir()
-    return tmp_path
+    return slurm_helpers.cli(*args, cwd=cwd, columns=400)
 
 
 def script_lines(ws: Path) -> list[str]:
