@@ -407,7 +407,7 @@ def test_plan_with_storage_and_offload_is_within_ten_percent_of_an_h200(row):
         assert plan.host_offload_bytes > 0
 
 
-def test_nothing_fits_here_names_the_stage_that_forces_more_nodes():
+def test_nothing_fits_here_names_the_stage_that_forces_more_nodes(in_tmp: Path):
     """pro_16n: even with every lever on its 16 nodes one stage stays over budget; the fix names it and its GiB, and
     that figure is the plan of that stage under those levers (pp 1, the largest ep and cp, storage and offload)."""
     from v4launch.validators.memory_fixes import BF16_STORAGE, FULL_RECOMPUTE, OFFLOAD

@@ -40,11 +40,12 @@ def test_no_torch_import_statement_in_validator_sources():
             assert not any(n == "torch" or n.startswith(("torch.", "triton", "megatron")) for n in names), f"{path}: {names}"
 
 
-def test_cli_validate_does_not_import_torch():
-    """The whole CLI (all commands registered) must keep heavy imports lazy for `v4launch validate`."""
+def test_cli_validate_does_not_import_torch(tmp_path):
+    """The whole CLI (all commands registered) must keep heavy imports lazy for `v4launch validate`. Run in a
+    scratch folder: `validate` records the workspace's recipe, and the checkout's own workspace is the user's."""
     code = ("import sys; from v4launch.cli import app\n"
             "from typer.testing import CliRunner\n"
             "r = CliRunner().invoke(app, ['validate', 'tiny_cpu', '--json'])\n"
             "print('EXIT', r.exit_code, 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert "EXIT 0 False" in out.stdout, out.stdout + out.stderr
