@@ -190,3 +190,12 @@ def test_the_report_says_where_the_lr_schedule_resumes(recipe):
     assert stay.verdict == "safe" and stay.reason == f"continues at step 90 of 150, lr {lr(90):.3g}"
     at_end = lr_item(recipe, manifest_for(recipe, 1, step=120, extra={"step_in_stage": 40}), 2, world=2)
     assert at_end.verdict == "safe"  # the stage was finished: the next one starts where the schedule is
+    recorded = lr_item(recipe, manifest_for(recipe, 1, step=90, extra={"step_in_stage": 10, "next_lr": lr(90)}), 1,
+                       world=2)
+    assert recorded.verdict == "safe"  # the checkpoint's own lr there: nothing moved
+    higher = lr_item(recipe, manifest_for(recipe, 1, step=90, extra={"step_in_stage": 10, "next_lr": lr(90) / 3}), 1,
+                     world=2)  # as if the checkpoint's curriculum had been shorter: its cosine was further down
+    assert higher.verdict == "warning" and f"had lr {lr(90) / 3:.3g} there" in higher.reason and "x3.00" in higher.reason
+    lower = lr_item(recipe, manifest_for(recipe, 1, step=90, extra={"step_in_stage": 10, "next_lr": lr(90) * 2}), 1,
+                    world=2)
+    assert lower.verdict == "applied" and "lowers it x0.50" in lower.reason

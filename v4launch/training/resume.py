@@ -276,7 +276,10 @@ def lr_item(recipe: Any, manifest: Any, target: int, world: int) -> Any:
     """``CompatItem("lr schedule")``: where the learning-rate schedule resumes (its global step and the AdamW lr
     there, from the resume's recipe) against where the checkpoint left it. The job continues mid-stage only in the
     checkpoint's own stage; a resume at another stage starts that stage, and the schedule jumps to its first step.
-    ``safe`` when the position is unchanged, else ``applied`` with both positions and values."""
+    ``safe`` when the position and its lr are unchanged; ``applied`` with both positions and values for a jump;
+    at an unchanged position whose lr the new recipe's schedule moves by more than 1% from the one the checkpoint
+    recorded (``manifest.extra["next_lr"]``; e.g. a finished stage made longer stretches the cosine back up),
+    ``warning`` when it rises and ``applied`` when it falls."""
     from ..checkpoints.compat import CompatItem
     from .plan import LRSchedule, plan_curriculum
 
@@ -287,6 +290,14 @@ def lr_item(recipe: Any, manifest: Any, target: int, world: int) -> Any:
     now = was if target == m or was == plans[target].first_step else plans[target].first_step
     where = f"step {now} of {schedule.total}, lr {schedule.lr(now)[0]:.3g}"
     if now == was:
+        saved = manifest.extra.get("next_lr")  # the lr the checkpoint's own recipe gives there (older saves: none)
+        new = schedule.lr(now)[0]
+        if saved and abs(new - saved) > 0.01 * saved:
+            how = "raises" if new > saved else "lowers"
+            return CompatItem("lr schedule", "warning" if new > saved else "applied",
+                              f"continues at {where}, but the checkpoint's recipe had lr {saved:.3g} there: this "
+                              f"recipe's schedule {how} it x{new / saved:.2f} (a longer or shorter curriculum stretches "
+                              "the cosine)")
         return CompatItem("lr schedule", "safe", f"continues at {where}")
     return CompatItem("lr schedule", "applied", f"jumps from step {was} (lr {schedule.lr(was)[0]:.3g}, where the "
                       f"checkpoint left it) to {where}: the start of stage {plans[target].name}; the run's optimizer "

@@ -539,6 +539,7 @@ class Runner:
             indexer_layers=csa_layer_ids(self.args.compress_ratios) if self.model.has_indexer else (),
             extra={"step_in_stage": p.step_in_stage, "model_phase": self.model.phase, "run": self.run.paths.root.name,
                    "transitions": list(p.transitions), "param_groups": summary,
+                   "next_lr": self.schedule.lr(self.schedule_step)[0],
                    "vpp": self.dims.vpp, "pp_layout": self.dims.pp_layout})
         with warnings.catch_warnings():  # DCP warns that a single process saves without a process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
