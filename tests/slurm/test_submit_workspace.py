@@ -57,3 +57,15 @@ def test_the_written_fix_submits(ws: Path):
     out = cli("submit", "f8.yaml", "--dry-run", cwd=ws)
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --nodes=8" in script_lines(ws)
+
+
+def test_a_remembered_node_count_against_nodes_says_where_it_came_from(ws: Path):
+    """--nodes against a cluster.nodes the workspace remembers (not typed on this command): the hint says so and
+    how to submit either way; typed on the command, the hint asks to give the count once."""
+    assert cli("validate", FLASH_4N, "cluster.nodes=8", cwd=ws).returncode == 0
+    remembered = cli("submit", "--nodes", "4", "--dry-run", cwd=ws)
+    assert remembered.returncode == 2 and "disagree" in remembered.stderr
+    assert "the workspace remembers from the last `v4launch validate`" in remembered.stderr
+    assert f"`v4launch submit {FLASH_4N} --nodes 4`" in remembered.stderr
+    typed = cli("submit", FLASH_4N, "cluster.nodes=8", "--nodes", "4", "--dry-run", cwd=ws)
+    assert typed.returncode == 2 and "give the node count once" in typed.stderr

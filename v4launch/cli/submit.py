@@ -59,9 +59,15 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
         given = [o for o in extra if o.replace(" ", "").startswith("cluster.nodes=")]
         last = given[-1].split("=", 1)[1].strip() if given else None  # the override that would apply
         if last is not None and last.isdigit() and int(last) != nodes:
-            raise UsageError(f"--nodes {nodes} and the override {given[-1]} disagree",
-                             hint=f"give the node count once: drop --nodes to keep {given[-1]} (e.g. a fix pasted "
-                                  f"from `v4launch validate`), or drop {given[-1]}")
+            typed = given[-1] in (overrides or [])
+            if typed:
+                hint = (f"give the node count once: drop --nodes to keep {given[-1]} (e.g. a fix pasted from "
+                        f"`v4launch validate`), or drop {given[-1]}")
+            else:  # remembered by the workspace from the last `validate`, not typed here
+                hint = (f"{given[-1]} is one of the overrides the workspace remembers from the last `v4launch validate` "
+                        f"of {path}: drop --nodes to submit with them, name the recipe to run it as written "
+                        f"(`v4launch submit {path} --nodes {nodes}`), or validate again with the overrides you want")
+            raise UsageError(f"--nodes {nodes} and the override {given[-1]} disagree", hint=hint)
         extra.append(f"cluster.nodes={nodes}")
     loaded = load_recipe(path, extra)
     for warning in check_recipe(loaded):
