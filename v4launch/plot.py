@@ -110,10 +110,7 @@ def _aux_panel(ax: Any, data: RunMetrics) -> None:
     if values and min(values) > 0:
         ax.set_yscale("log")
     ax.set_ylabel("aux losses (raw)")
-    if kinds:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no auxiliary losses logged", transform=ax.transAxes, ha="center")
+    _legend_or_note(ax, bool(kinds), "no auxiliary losses logged")
 
 
 def _throughput_panel(ax: Any, data: RunMetrics) -> None:
@@ -136,10 +133,15 @@ def _memory_panel(ax: Any, data: RunMetrics) -> None:
             drawn = True
     ax.set_ylabel("memory (GiB)")
     ax.set_xlabel("optimizer step")
+    _legend_or_note(ax, drawn, "no memory figures in metrics.jsonl")
+
+
+def _legend_or_note(ax: Any, drawn: bool, note: str) -> None:
+    """The panel's legend when it drew a series, else ``note`` written across its middle."""
     if drawn:
         ax.legend(fontsize="small")
     else:
-        ax.text(0.5, 0.5, "no memory figures in metrics.jsonl", transform=ax.transAxes, ha="center")
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center")
 
 
 def _mark_stages(axes: list[Any], data: RunMetrics) -> None:
