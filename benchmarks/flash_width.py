@@ -1,0 +1,345 @@
+"""Flash-width throughput on one GPU: the decoder layers a recipe trains, per phase, at its real widths.
+
+    python benchmarks/flash_width.py --json $OUT/flash_width.json                 # one H200, ~5 minutes
+    python benchmarks/flash_width.py --rows sparse:4 dense:4 warmup:4 --profile sparse:4
+    python benchmarks/flash_width.py --device cpu --tiny                           # smoke run, seconds
+
+What one row runs (``--recipe``, default recipes/flash_4n.yaml, stage ``--stage``, default 0):
+
+* the recipe's widths (dim, heads x head_dim, q/o LoRA ranks, indexer heads x dim and top-k, mHC, vocab) with
+  L decoder layers alternating CSA (ratio 4) / HCA (ratio 128) as the recipe's pattern does, no MTP layer;
+* the routed experts ONE rank holds under the recipe's EP: ``n_routed_experts / ep`` experts with the
+  recipe's top-k. With balanced routing a rank's experts then receive exactly the rows they receive in the run
+  (EP ranks x tokens x top-k / n_routed per expert = tokens x top-k / local experts); the all-to-all that
+  brings them is not run (the time plan prices it apart); hash-routed layers are run as learned-routed ones;
+* ``--tokens`` tokens (default the stage's seq_len: one packed sequence, as a CP=1 rank would hold it; under
+  CP a rank holds seq_len / cp rows of the same context, so the per-token work is the same, less the
+  CP exchange);
+* the recipe's recompute granularity, storage (``precision.params_dtype``: bf16 GEMM weights, no FSDP on
+  one GPU) and bf16 autocast; the kernel backend per row (``triton`` unless the row names ``reference``).
+
+One iteration = forward + backward of the LM loss plus the aux losses (indexer KL, balance), gradients set
+to None before it; no optimizer step (benchmarks/optimizer_step.py measures it). ``--warmup`` untimed
+iterations first (Triton autotunes in the first), then ``--iters`` timed ones (CUDA events, median).
+
+Columns:
+  ms           median forward + backward, the whole model (embedding, L layers, head and loss)
+  tok/s        tokens / ms
+  TFLOP/s      the time plan's FLOPs of the step (validators/time_plan.step_flops_per_token x tokens:
+               forward x3, + a forward of every layer under whole-layer recompute) / ms
+  MFU          TFLOP/s over the sustained bf16 matmul peak measured in this process (8192^3 GEMMs back to
+               back for ~1 s; benchmarks/train_step.matmul_peaks)
+  layer ms     (ms at L - ms at L') / (L - L') for two rows of one phase: a layer pair without the embedding,
+               head and loss; ``layer MFU`` the same difference of FLOPs over it
+  peak GiB     torch.cuda.max_memory_allocated over a timed iteration
+
+``--profile phase:L`` adds one profiled iteration of that row: GPU kernel time per region, by kernel name
+(:data:`REGIONS`; the JSON keeps the top kernels so a reader can re-class them), and the share of the
+iteration the GPU is busy.
+Raises: SystemExit on a bad ``--rows`` entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GIB = float(1 << 30)
+
+REGIONS = [
+    ("attention fwd", r"_sparse_fwd|_fwd_tile"),
+    ("attention bwd", r"_sparse_bwd|_dkv|_dq_|_red_add_rows|_bwd_tile|_tile_rows"),
+    ("KL teacher + student", r"_teacher|_student"),
+    ("indexer scores + top-k", r"_index_scores|topk|radix|sort|bitonic"),
+    ("MoE grouped GEMMs", r"[Gg]roup"),
+    ("other GEMMs", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|wgmma"),
+    ("cross entropy", r"_lse_target|_softmax_grad|cross_entropy|log_softmax"),
+    ("mHC Sinkhorn", r"_sinkhorn"),
+    ("norms", r"norm"),
+]
+"""(region, regex on the CUDA kernel name), first match wins; the rest is "elementwise and other" (casts,
+SwiGLU, RoPE, copies, scatter/gather of routed rows, inductor's fused kernels)."""
+
+TINY_MODEL = dict(vocab_size=512, dim=64, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2,
+                  o_lora_rank=16, window_size=8, indexer={"n_heads": 4, "head_dim": 16, "topk": 8, "hadamard": False},
+                  moe={"n_routed_experts": 8, "n_activated_experts": 2, "n_shared_experts": 1, "moe_inter_dim": 32,
+                       "n_hash_layers": 0}, mhc={"hc_mult": 2, "sinkhorn_iters": 3, "eps": 1e-6},
+                  max_position_embeddings=4096)
+"""``--tiny``: the smoke run's widths (any device, seconds)."""
+
+
+def region_of(kernel: str) -> str:
+    """The :data:`REGIONS` name of a CUDA kernel name, else "elementwise and other"."""
+    for name, pattern in REGIONS:
+        if re.search(pattern, kernel):
+            return name
+    return "elementwise and other"
+
+
+def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | None, backend: str, tiny: bool):
+    """The one-GPU recipe of a row (schema-validated, not rule-checked) and the source recipe's EP.
+
+    Returns: (recipe, {"ep", "local_experts", "top_k", "tokens"}).
+    Raises: RecipeError (v4launch.errors) for an unreadable recipe.
+    """
+    from v4launch.recipe_loading import load_recipe
+    from v4launch.validators.schema.recipe import Recipe
+
+    loaded = load_recipe(path)
+    src, data = loaded.recipe, copy.deepcopy(loaded.resolved)
+    m = data["model"]
+    if tiny:
+        m.update({k: ({**m[k], **v} if isinstance(v, dict) else v) for k, v in TINY_MODEL.items()})
+    ep = src.parallel.ep
+    local = max(1, m["moe"]["n_routed_experts"] // ep)
+    k = min(m["moe"]["n_activated_experts"], local)
+    m.update(n_layers=layers, compress_ratios=[4, 128] * (layers // 2) + [4] * (layers % 2))
+    m["mtp"] = {**m["mtp"], "depth": 0}
+    m["moe"] = {**m["moe"], "n_routed_experts": local, "n_activated_experts": k, "n_hash_layers": 0}
+    m["init_from_released"] = False
+    seq = tokens or (256 if tiny else src.curriculum.stages[stage].seq_len)
+    m["max_position_embeddings"] = max(m["max_position_embeddings"], seq)
+    data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "cp": 1, "cpu_offloading": False,
+                        "distributed_optimizer": False, "pp_layout": None}
+    data["attention"] = {**data["attention"], "kernel_backend": backend}
+    data["cluster"] = {**data["cluster"], "nodes": 1, "gpus_per_node": 1}
+    if tiny:
+        data["cluster"]["gpu"] = "cpu"
+        data["precision"] = {**data["precision"], "dtype": "fp32"}
+    data["curriculum"] = {"stages": [{"name": f"{phase}_{seq}", "seq_len": seq, "phase": phase, "steps": 1}]}
+    data.pop("slurm", None)
+    return Recipe.model_validate(data), {"ep": ep, "local_experts": local, "top_k": k, "tokens": seq}
+
+
+def build(recipe, device):
+    """(model with the recipe's recompute and storage, batch (tokens, cu_seqlens, max_seqlen, labels))."""
+    import torch
+
+    from v4launch.model import V4Model
+    from v4launch.model.parallel.recompute import apply_recompute, modules_from_recipe
+    from v4launch.model.parallel.storage import apply_param_storage
+    from v4launch.training.model_adapter import model_args_from_recipe
+
+    st = recipe.curriculum.stages[0]
+    args = model_args_from_recipe(recipe)
+    torch.manual_seed(0)
+    kw = dict(chunk_size=recipe.attention.kl_chunk_size, kernel_backend=recipe.attention.kernel_backend)
+    try:
+        with device:  # drawn on the device: a CPU draw of Flash-width parameters takes minutes
+            model = V4Model(args, phase="dense", **kw)
+    except RuntimeError:  # a seeded CPU draw refused under a CUDA default device
+        model = V4Model(args, phase="dense", **kw).to(device)
+    if st.phase != "dense":
+        model.set_phase("warmup")
+    if st.phase == "sparse":
+        model.set_phase("sparse")
+    model.to(device)
+    apply_recompute(model, modules_from_recipe(recipe.parallel.recompute_granularity,
+                                               recipe.parallel.recompute_modules))
+    if device.type == "cuda":
+        apply_param_storage(model, recipe.precision.params_dtype, fsdp=False)
+    T = st.seq_len
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (T,), generator=g).to(device)
+    labels = torch.randint(0, args.vocab_size, (T,), generator=g).to(device)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    return model, (tokens, cu, T, labels)
+
+
+def iteration(model, batch, device):
+    """Forward + backward of lm loss + aux losses; returns the loss as a tensor."""
+    import torch
+
+    for p in model.parameters():
+        p.grad = None
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    with ctx:
+        out = model(*batch)
+        loss = out.lm_loss + sum(out.aux_losses.values())
+    loss.backward()
+    return loss.detach()
+
+
+def measure(model, batch, device, warmup: int, iters: int) -> dict:
+    """Median ms (CUDA events; wall clock on the CPU), every timed ms, peak bytes, last loss."""
+    import torch
+
+    cuda = device.type == "cuda"
+    times, losses = [], []
+    for it in range(warmup + iters):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        loss = iteration(model, batch, device)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        ms = start.elapsed_time(end) if cuda else (time.perf_counter() - t0) * 1e3
+        losses.append(float(loss))
+        if it >= warmup:
+            times.append(ms)
+    return {"ms": statistics.median(times), "ms_all": times, "loss": losses[-1],
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
+
+
+def profile(model, batch, device, top: int) -> dict:
+    """One profiled iteration: GPU ms per region (:func:`region_of`), busy share, the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch_profile(activities=acts) as prof:
+        iteration(model, batch, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    dev = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    kernels = [e for e in prof.key_averages() if dev(e) > 0 and e.self_cpu_time_total == 0]
+    regions: dict[str, float] = {}
+    for e in kernels:
+        regions[region_of(e.key)] = regions.get(region_of(e.key), 0.0) + dev(e) / 1e3
+    gpu_ms = sum(regions.values())
+    kernels.sort(key=dev, reverse=True)
+    return {"wall_ms": wall_ms, "gpu_ms": gpu_ms, "regions_ms": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"name": e.key[:120], "ms": dev(e) / 1e3, "calls": e.count, "region": region_of(e.key)}
+                            for e in kernels[:top]]}
+
+
+def parse_rows(entries: list[str]) -> list[tuple[str, int, str]]:
+    """``phase:L[:backend]`` entries -> (phase, L, backend). Raises SystemExit naming a bad entry."""
+    rows = []
+    for e in entries:
+        parts = e.split(":")
+        if len(parts) not in (2, 3) or parts[0] not in ("dense", "warmup", "sparse") or not parts[1].isdigit() \
+                or int(parts[1]) < 1 or (len(parts) == 3 and parts[2] not in ("triton", "reference")):
+            raise SystemExit(f"--rows entry {e!r}: must be phase:L[:backend] with phase dense|warmup|sparse, "
+                             "L >= 1 decoder layers, backend triton|reference (e.g. sparse:4 or warmup:2:reference)")
+        rows.append((parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "triton"))
+    return rows
+
+
+def layer_rates(rows: list[dict], peak: float | None) -> list[dict]:
+    """Per phase and backend, the layer pair from the rows of the fewest and most layers (the embedding, head
+    and loss cancel): ms per layer, TFLOP/s and MFU of the layers alone."""
+    out = []
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if "ms" in r:
+            groups.setdefault((r["phase"], r["backend"]), []).append(r)
+    for (phase, backend), rs in groups.items():
+        rs.sort(key=lambda r: r["layers"])
+        lo, hi = rs[0], rs[-1]
+        if hi["layers"] == lo["layers"] or hi["ms"] <= lo["ms"]:
+            continue
+        n = hi["layers"] - lo["layers"]
+        ms = (hi["ms"] - lo["ms"]) / n
+        flops = (hi["flops"] - lo["flops"]) / n
+        tf = flops / ms / 1e9
+        out.append({"phase": phase, "backend": backend, "from_layers": [lo["layers"], hi["layers"]],
+                    "layer_ms": ms, "layer_flops": flops, "layer_tflops": tf,
+                    "layer_mfu": tf / peak if peak else None})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "flash_4n.yaml"))
+    ap.add_argument("--stage", type=int, default=0, help="curriculum stage whose seq_len is the default --tokens")
+    ap.add_argument("--rows", nargs="*", default=["sparse:2", "sparse:4", "dense:2", "dense:4", "warmup:2", "warmup:4"],
+                    help="phase:L[:backend] (default: 2 and 4 layers of each phase)")
+    ap.add_argument("--profile", nargs="*", default=["sparse:4", "warmup:4"], help="rows to profile once")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small widths (smoke run on any device)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25, help="kernels kept per profile")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="skip rows that would start after this")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    rows_wanted = parse_rows(a.rows)
+    profiled = {(p, L, b) for p, L, b in parse_rows(a.profile)}
+
+    import torch
+
+    from v4launch.validators.time_plan import step_flops_per_token
+
+    device = torch.device(a.device)
+    t_start = time.perf_counter()
+    peak = None
+    if device.type == "cuda":
+        from train_step import matmul_peaks  # noqa: PLC0415  (imports torch and the model: the GPU run only)
+
+        sustained, burst = matmul_peaks()
+        peak = sustained
+        print(f"{torch.cuda.get_device_name()}: bf16 matmul peak {sustained:.0f} TFLOP/s sustained, "
+              f"{burst:.0f} burst (8192^3)", flush=True)
+    meta = {"recipe": a.recipe, "stage": a.stage, "device": torch.cuda.get_device_name() if device.type == "cuda"
+            else "cpu", "torch": torch.__version__, "peak_tflops_sustained": peak, "rows": [], "profiles": []}
+    print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
+    for phase, L, backend in rows_wanted:
+        row: dict = {"phase": phase, "layers": L, "backend": backend}
+        if time.perf_counter() - t_start > a.budget_s:
+            row["skipped"] = f"past --budget-s {a.budget_s:.0f}"
+            meta["rows"].append(row)
+            print(f"{phase:7} {L:>2} {backend:9} skipped ({row['skipped']})", flush=True)
+            continue
+        recipe, shape = bench_recipe(a.recipe, a.stage, phase, L, a.tokens, backend, a.tiny)
+        row.update(shape)
+        try:
+            model, batch = build(recipe, device)
+            row["flops"] = step_flops_per_token(recipe, recipe.curriculum.stages[0]) * shape["tokens"]
+            row.update(measure(model, batch, device, a.warmup, a.iters))
+            if (phase, L, backend) in profiled:
+                meta["profiles"].append({"phase": phase, "layers": L, "backend": backend,
+                                         **profile(model, batch, device, a.top)})
+        except Exception as exc:  # a row out of memory is reported; the others still run
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            model = batch = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        meta["rows"].append(row)
+        if "ms" in row:
+            tf = row["flops"] / row["ms"] / 1e9
+            row.update(tokens_per_s=shape["tokens"] / row["ms"] * 1e3, tflops=tf, mfu=tf / peak if peak else None)
+            mfu = f"{100 * row['mfu']:5.1f}%" if peak else "    -"
+            print(f"{phase:7} {L:>2} {backend:9} {row['ms']:9.1f} {row['tokens_per_s']:9.0f} {tf:8.1f} {mfu:>6} "
+                  f"{row['peak_bytes'] / GIB:9.2f}", flush=True)
+        else:
+            print(f"{phase:7} {L:>2} {backend:9} {row['error'][:100]}", flush=True)
+        if a.json:  # after every row: a later one may run out of memory or time
+            a.json.write_text(json.dumps(meta, indent=1))
+    meta["layers"] = layer_rates(meta["rows"], peak)
+    for r in meta["layers"]:
+        mfu = f", {100 * r['layer_mfu']:.1f}% MFU" if r["layer_mfu"] else ""
+        print(f"layers alone ({r['phase']}, {r['backend']}, L {r['from_layers'][0]} -> {r['from_layers'][1]}): "
+              f"{r['layer_ms']:.1f} ms per layer, {r['layer_tflops']:.1f} TFLOP/s{mfu}")
+    for p in meta["profiles"]:
+        print(f"\nprofile {p['phase']}:{p['layers']} ({p['backend']}): GPU busy {p['gpu_ms']:.1f} of "
+              f"{p['wall_ms']:.1f} ms")
+        for name, ms in p["regions_ms"].items():
+            print(f"  {name:26} {ms:9.1f} ms {100 * ms / p['gpu_ms']:5.1f}%")
+    if a.json:
+        a.json.write_text(json.dumps(meta, indent=1))
+
+
+if __name__ == "__main__":
+    main()
