@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GIB = float(1 << 30)
