@@ -1,9 +1,20 @@
 """Triton kernels (SM90): the sparse-phase KL student, the indexer's scores at its own selection.
 
 ``s[t, k] = sum_h w[t, h] * relu(q[t, h] . keys[sel[t, k]])`` and its gradients in q, w and keys,
-one program per query row, the K selected entries in blocks of ``BK``:
+the K selected entries in blocks of ``BK``, the indexer heads in blocks of ``HB`` (16):
 
-* forward: gather the block's key rows, one matrix product [HI, dI] x [dI, BK] (float32
+* forward: one program per query row, each key block gathered once and scored by every head block;
+* backward, two kernels: dq and dw with one program per (query row, head block), which keeps the
+  [HB, dI] float32 dq in registers over all K entries; the key gradient with one program per row, the
+  head blocks' ``gl^T q`` summed in registers per key block before the reductions. Each recomputes the
+  logits (one more [HB, dI] x [dI, BK] product per block than a single pass).
+
+Before the head blocks, one program held all heads of a row: at the benchmark's 16 indexer heads that was
+1.1 ms per backward call, but at V4-Flash's 64 heads x 128 its tiles spilled registers and the student took
+3.1 of the 7.0 s of a 4-layer, 64K-token sparse step on an H200, 45% of the GPU time, at 2-3 TFLOP/s
+(benchmarks/results/flash_width_h200_2026-12-04.md). In detail, per block:
+
+* forward: gather the block's key rows, matrix products [HB, dI] x [dI, BK] (float32
   accumulation: for bf16 inputs every product is exact, as in the reference's float32 einsum),
   ReLU and the head weights fused; nothing but the [T, K] scores is written;
 * backward: recompute the block's logits, then ``dw`` and ``dq`` accumulate in registers and the
@@ -39,38 +50,79 @@ import triton.language as tl
 from .triton_attention import _red_add_rows
 
 BK = 64
+HB = 16
+"""Indexer heads per matrix product: a program never holds more than [HB, dI] of q or [HB, BK] of logits, so the
+register use does not grow with the head count (module docstring: 64 heads in one tile spilled)."""
 
 
 @triton.jit
 def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
-                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, HI)
+    offs_h = tl.arange(0, HB)
     offs_d = tl.arange(0, DI)
-    q = tl.load(Q + r * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])  # [HI, DI]
-    w = tl.load(W + r * sw_t + offs_h).to(tl.float32)  # [HI]
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
         ent = tl.maximum(tl.load(SEL + r * ss_t + ks, mask=kmask, other=0), 0).to(tl.int64)
         kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
-        logits = tl.dot(q, kt, input_precision=PREC)  # [HI, BK] float32
-        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
+        s = tl.zeros([BK], tl.float32)
+        for h0 in tl.static_range(0, HI, HB):
+            q = tl.load(Q + r * sq_t + (h0 + offs_h)[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
+            w = tl.load(W + r * sw_t + h0 + offs_h).to(tl.float32)  # [HB]
+            logits = tl.dot(q, kt, input_precision=PREC)  # [HB, BK] float32
+            s += tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(OUT + r * so_t + ks, s, mask=kmask)
 
 
 @triton.jit
-def _student_bwd(Q, W, KEYS, SEL, G, DQ, DW, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t,
-                 HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+def _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, ok, PREC: tl.constexpr):
+    """(relu(logits) [HB, BK], d logits [HB, BK]) of one head block and key block: ``w * g`` where logit > 0."""
+    logits = tl.dot(q, kt, input_precision=PREC)  # [HB, BK]
+    g = tl.load(G + r * sg_t + ks, mask=ok & kmask, other=0.0).to(tl.float32)  # [BK], 0 at masked slots
+    return tl.maximum(logits, 0.0) * g[None, :], tl.where(logits > 0, w[:, None] * g[None, :], 0.0)
+
+
+@triton.jit
+def _student_bwd_q(Q, W, KEYS, SEL, G, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t,
+                   HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """dq [HB, dI] and dw [HB] of one (query row, head block) program, over all K selected entries."""
     r = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, HI)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_d = tl.arange(0, DI)
-    q = tl.load(Q + r * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])  # [HI, DI]
-    qf = q.to(tl.float32)
+    q = tl.load(Q + r * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
     w = tl.load(W + r * sw_t + offs_h).to(tl.float32)
-    dq = tl.zeros([HI, DI], tl.float32)
-    dw = tl.zeros([HI], tl.float32)
+    dq = tl.zeros([HB, DI], tl.float32)
+    dw = tl.zeros([HB], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        kmask = ks < K
+        raw = tl.load(SEL + r * ss_t + ks, mask=kmask, other=-1)
+        ent = tl.maximum(raw, 0).to(tl.int64)
+        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
+        act_g, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, raw >= 0, PREC)
+        dw += tl.sum(act_g, 1)
+        if SPLIT:  # gl = hi + lo, both bf16: two tensor-core products, every product exact
+            gl_hi = gl.to(tl.bfloat16)
+            gl_lo = (gl - gl_hi.to(tl.float32)).to(tl.bfloat16)
+            dq = tl.dot(gl_lo, tl.trans(kt), dq)
+            dq = tl.dot(gl_hi, tl.trans(kt), dq)  # [HB, DI]
+        else:
+            dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
+    tl.store(DW + r * HI + offs_h, dw)
+
+
+@triton.jit
+def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t,
+                      HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
+                      SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+    """The key gradient of one query row: per key block, sum over the head blocks of ``gl^T q`` [BK, dI], added
+    to DKEYS's selected rows with relaxed float32 reductions."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, HB)
+    offs_d = tl.arange(0, DI)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
@@ -78,22 +130,19 @@ def _student_bwd(Q, W, KEYS, SEL, G, DQ, DW, DKEYS, K, sq_t, sq_h, sw_t, ss_t, s
         ok = raw >= 0
         ent = tl.maximum(raw, 0).to(tl.int64)
         kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
-        logits = tl.dot(q, kt, input_precision=PREC)  # [HI, BK]
-        g = tl.load(G + r * sg_t + ks, mask=ok, other=0.0).to(tl.float32)  # [BK], 0 at masked slots
-        dw += tl.sum(tl.maximum(logits, 0.0) * g[None, :], 1)
-        gl = tl.where(logits > 0, w[:, None] * g[None, :], 0.0)  # [HI, BK] d logits
-        if SPLIT:  # gl = hi + lo, both bf16: two tensor-core products each, every product exact
-            gl_hi = gl.to(tl.bfloat16)
-            gl_lo = (gl - gl_hi.to(tl.float32)).to(tl.bfloat16)
-            dq = tl.dot(gl_lo, tl.trans(kt), dq)
-            dq = tl.dot(gl_hi, tl.trans(kt), dq)  # [HI, DI]
-            dk = tl.dot(tl.trans(gl_hi), q, tl.dot(tl.trans(gl_lo), q))  # [BK, DI]
-        else:
-            dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")  # [HI, DI]
-            dk = tl.dot(tl.trans(gl), qf, input_precision="ieee")  # [BK, DI]
-        _red_add_rows(DKEYS, ent, ok, dk, 0, DI, USE_ASM)
-    tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
-    tl.store(DW + r * HI + offs_h, dw)
+        dk = tl.zeros([BK, DI], tl.float32)
+        for h0 in tl.static_range(0, HI, HB):
+            q = tl.load(Q + r * sq_t + (h0 + offs_h)[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
+            w = tl.load(W + r * sw_t + h0 + offs_h).to(tl.float32)
+            _, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, ok, PREC)
+            if SPLIT:
+                gl_hi = gl.to(tl.bfloat16)
+                gl_lo = (gl - gl_hi.to(tl.float32)).to(tl.bfloat16)
+                dk = tl.dot(tl.trans(gl_lo), q, dk)
+                dk = tl.dot(tl.trans(gl_hi), q, dk)  # [BK, DI]
+            else:
+                dk += tl.dot(tl.trans(gl), q.to(tl.float32), input_precision="ieee")
+        _red_add_rows(DKEYS, ent, ok & kmask, dk, 0, DI, USE_ASM)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -115,7 +164,7 @@ def _student_op(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch
     out = torch.empty(T, K, dtype=torch.float32, device=q.device)
     if T and K:
         _student_fwd[(T,)](qc, wc, kc, selc, out, K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0),
-                           out.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), num_warps=4)
+                           out.stride(0), HI=HI, DI=DI, BK=BK, HB=min(HB, HI), PREC=_prec(qc.dtype), num_warps=4)
     return out
 
 
@@ -148,9 +197,14 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
     dw = torch.empty(T, HI, dtype=torch.float32, device=g.device)
     dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
     if T and K:
-        _student_bwd[(T,)](qc, wc, kc, selc, g, dq, dw, dkeys, K, qc.stride(0), qc.stride(1), wc.stride(0),
-                           selc.stride(0), g.stride(0), HI=HI, DI=DI, BK=BK, PREC=_prec(qc.dtype), SPLIT=split,
-                           USE_ASM=qc.is_cuda if vector_red is None else vector_red, num_warps=4)
+        hb = min(HB, HI)
+        common = (qc, wc, kc, selc, g)
+        strides = (K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0), g.stride(0))
+        _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb, PREC=_prec(qc.dtype),
+                                      SPLIT=split, num_warps=4)
+        _student_bwd_keys[(T,)](*common, dkeys, *strides, HI=HI, DI=DI, BK=BK, HB=hb, PREC=_prec(qc.dtype),
+                                SPLIT=split, USE_ASM=qc.is_cuda if vector_red is None else vector_red,
+                                num_warps=4)
     else:
         dq.zero_()
         dw.zero_()

@@ -266,13 +266,14 @@ def teacher_and_indexer_cases(seed: int) -> dict:
             "indexer_scores": dict(scores=rel(s[fin], s_t[fin]), masked_differ=0.0 if same_inf else 1.0)}
 
 
-def student_case(seed: int) -> dict:
+def student_case(seed: int, HI: int = 16) -> dict:
     """The sparse-phase KL student and its three gradients against a dense float64 formula (every
     entry scored, then read at the selection). K = 70 is two blocks and a partial one; each row
     selects distinct entries, rows share entries (the key gradient's atomics collide), 20% of the
-    slots are masked and row 2 entirely."""
-    g = torch.Generator().manual_seed(seed + 3)
-    T, HI, DI, C, K = 12, 16, 32, 90, 70
+    slots are masked and row 2 entirely. HI = 32: two head blocks of ``triton_student.HB``, whose
+    key gradients add up in one program and whose dq / dw come from two programs."""
+    g = torch.Generator().manual_seed(seed + 3 + HI)
+    T, DI, C, K = 12, 32, 90, 70
     q, w, keys = torch.randn(T, HI, DI, generator=g), torch.randn(T, HI, generator=g), torch.randn(C, DI, generator=g)
     sel = torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(T)]).int()
     sel[torch.rand(T, K, generator=g) < 0.2] = -1
@@ -286,7 +287,7 @@ def student_case(seed: int) -> dict:
     qk, wk, kk = (x.clone().requires_grad_() for x in (q, w, keys))
     out = ts.student_scores(qk, wk, kk, sel)
     grads = torch.autograd.grad((out * g_out).sum(), (qk, wk, kk))
-    return {"student": dict(scores=rel(out[sel >= 0], truth[sel >= 0]),
+    return {f"student{'' if HI == 16 else f'_h{HI}'}": dict(scores=rel(out[sel >= 0], truth[sel >= 0]),
                             **{f"d{n}": rel(a, b) for n, a, b in zip(("q", "w", "keys"), grads, grads_t)})}
 
 
@@ -393,5 +394,5 @@ def opcheck_case(seed: int) -> dict:
 if __name__ == "__main__":
     seed = int(sys.argv[1])
     print(json.dumps({**attention_cases(seed), **query_block_cases(seed), **teacher_and_indexer_cases(seed),
-                      **student_case(seed),
+                      **student_case(seed), **student_case(seed, HI=32),
                       **cross_entropy_case(seed), **sinkhorn_case(seed), **opcheck_case(seed)}))
