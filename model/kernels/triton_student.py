@@ -53,6 +53,10 @@ BK = 64
 HB = 16
 """Indexer heads per matrix product: a program never holds more than [HB, dI] of q or [HB, BK] of logits, so the
 register use does not grow with the head count (module docstring: 64 heads in one tile spilled)."""
+BK_KEYS = 64
+WARPS_KEYS = 4
+"""Key block and warps of the key-gradient kernel, whose [BK_KEYS, dI] float32 accumulator is its largest tile
+(module globals so benchmarks/student_kernel.py can time other values)."""
 
 
 @triton.jit
@@ -202,9 +206,9 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
         strides = (K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0), g.stride(0))
         _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb, PREC=_prec(qc.dtype),
                                       SPLIT=split, num_warps=4)
-        _student_bwd_keys[(T,)](*common, dkeys, *strides, HI=HI, DI=DI, BK=BK, HB=hb, PREC=_prec(qc.dtype),
+        _student_bwd_keys[(T,)](*common, dkeys, *strides, HI=HI, DI=DI, BK=BK_KEYS, HB=hb, PREC=_prec(qc.dtype),
                                 SPLIT=split, USE_ASM=qc.is_cuda if vector_red is None else vector_red,
-                                num_warps=4)
+                                num_warps=WARPS_KEYS)
     else:
         dq.zero_()
         dw.zero_()
