@@ -109,6 +109,7 @@ def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | N
     seq = tokens or (256 if tiny else src.curriculum.stages[stage].seq_len)
     m["max_position_embeddings"] = max(m["max_position_embeddings"], seq)
     data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "cp": 1, "cpu_offloading": False,
+                        "micro_batch_size": 1, "global_batch_size": 1,
                         "distributed_optimizer": False, "pp_layout": None}
     data["attention"] = {**data["attention"], "kernel_backend": backend}
     data["cluster"] = {**data["cluster"], "nodes": 1, "gpus_per_node": 1}

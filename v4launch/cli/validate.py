@@ -257,8 +257,8 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
                   f"{_eval_time(t['eval_s'])}", Text(_duration(t["wall_s"]), style="bold"),
                   Text(f"{t['gpu_hours']:,.0f}", style="bold"), str(t["segments"]))
     a = plan["assumptions"]
-    note = (f"{a['world']} x {a['gpu']} at {a['achieved_fraction_of_peak']:.1%} of {a['peak_tflops']:.0f} TFLOPS "
-            f"(measured on H200: {a['calibration']}); links {a['intra_node_gb_per_s']:.0f} GB/s in a node, "
+    rates = "; ".join(f"{c['achieved_fraction_of_peak']:.1%} ({c['label']})" for c in a["calibrations"])
+    note = (f"{a['world']} x {a['gpu']} at {rates} of {a['peak_tflops']:.0f} TFLOPS (measured on H200); links {a['intra_node_gb_per_s']:.0f} GB/s in a node, "
             f"{a['inter_node_gb_per_s']:.0f} GB/s between nodes; segments of {a['segment_s'] / 60:.0f} min of "
             "training; no overlap of communication with compute, no restarts (docs/time-plan.md)")
     return table, note
