@@ -322,7 +322,8 @@ def test_validate_prints_the_plan_per_stage(in_tmp: Path):
     code, out, _, _ = invoke(["validate", str(RECIPES / "bench_h200.yaml")])
     assert code == 0 and "memory plan" in out and " ok" in out and "host: offloaded inputs" not in out
     code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
-    assert code == 0 and " ok" in out and " over" not in out and "host: offloaded inputs" in out
+    assert code == 0 and " ok" in out and "host: offloaded inputs" in out
+    assert not re.search(r"\d over\b", out)  # no stage's total is over its budget ("no overlap" is the time plan's)
 
 
 def test_explain_memory(in_tmp: Path):

@@ -115,9 +115,9 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
     # 8 ranks x (offloaded inputs + 16 GiB per process) > 100 GiB; 1 TiB holds them
     "V4-HOST-MEMORY": (["cluster.host_memory_gib=100"], ["cluster.host_memory_gib=1024"]),
     "V4-SLURM-SIGNAL": (["slurm.signal_delay_s=14400"], ["slurm.signal_delay_s=14000"]),  # time_min 240 min
-    # 2e7 steps of ~2 ms on 8 H100s: ~11.7 h, 3 jobs of 238 min of training
-    "V4-SLURM-SEGMENTS": (["curriculum.stages.0.steps=20000000", "slurm.max_segments=2"],
-                          ["curriculum.stages.0.steps=20000000", "slurm.max_segments=3"]),
+    # 4e7 steps of ~1.3 ms on 8 H100s: ~14.4 h, 4 jobs of 238 min of training
+    "V4-SLURM-SEGMENTS": (["curriculum.stages.0.steps=40000000", "slurm.max_segments=3"],
+                          ["curriculum.stages.0.steps=40000000", "slurm.max_segments=4"]),
 }
 
 UNIMPLEMENTED_PREFIX = "V4-UNIMPL-"
