@@ -7,7 +7,8 @@ the K selected entries in blocks of ``BK``, the indexer heads in blocks of ``HB`
 * backward, two kernels: dq and dw with one program per (query row, head block), which keeps the
   [HB, dI] float32 dq in registers over all K entries; the key gradient with one program per row, the
   head blocks' ``gl^T q`` summed in registers per key block before the reductions. Each recomputes the
-  logits (one more [HB, dI] x [dI, BK] product per block than a single pass).
+  logits (one more [HB, dI] x [dI, BK] product per block than a single pass). With one head block
+  (HI = 16, the bench shape) the key-gradient kernel computes dq and dw as well, in one pass, as before.
 
 Before the head blocks, one program held all heads of a row: at the benchmark's 16 indexer heads that was
 1.1 ms per backward call, but at V4-Flash's 64 heads x 128 its tiles spilled registers and the student took
@@ -127,15 +128,18 @@ def _student_bwd_q(Q, W, KEYS, SEL, G, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t,
 
 
 @triton.jit
-def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t, replica_stride, S,
+def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t, replica_stride, S,
                       HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
-                      SPLIT: tl.constexpr, USE_ASM: tl.constexpr):
+                      SPLIT: tl.constexpr, USE_ASM: tl.constexpr, FUSED: tl.constexpr):
     """The key gradient of one query row: per key block, sum over the head blocks of ``gl^T q`` [BK, dI], added
-    to the selected rows of DKEYS's copy ``r % S`` with relaxed float32 reductions."""
+    to the selected rows of DKEYS's copy ``r % S`` with relaxed float32 reductions. FUSED (one head block,
+    HI == HB): dq and dw of the row too, in the same pass (then :func:`_student_bwd_q` is not launched)."""
     r = tl.program_id(0).to(tl.int64)
     DKEYS += (r % S) * replica_stride
     offs_h = tl.arange(0, HB)
     offs_d = tl.arange(0, DI)
+    dq = tl.zeros([HB, DI], tl.float32)
+    dw = tl.zeros([HB], tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK)
         kmask = ks < K
@@ -147,15 +151,25 @@ def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, K, sq_t, sq_h, sw_t, ss_t, sg_t
         for h0 in tl.static_range(0, HI, HB):
             q = tl.load(Q + r * sq_t + (h0 + offs_h)[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
             w = tl.load(W + r * sw_t + h0 + offs_h).to(tl.float32)
-            _, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, ok, PREC)
+            act_g, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, ok, PREC)
+            if FUSED:
+                dw += tl.sum(act_g, 1)
             if SPLIT:
                 gl_hi = gl.to(tl.bfloat16)
                 gl_lo = (gl - gl_hi.to(tl.float32)).to(tl.bfloat16)
+                if FUSED:
+                    dq = tl.dot(gl_lo, tl.trans(kt), dq)
+                    dq = tl.dot(gl_hi, tl.trans(kt), dq)
                 dk = tl.dot(tl.trans(gl_lo), q, dk)
                 dk = tl.dot(tl.trans(gl_hi), q, dk)  # [BK, DI]
             else:
+                if FUSED:
+                    dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")
                 dk += tl.dot(tl.trans(gl), q.to(tl.float32), input_precision="ieee")
         _red_add_rows(DKEYS, ent, ok & kmask, dk, 0, DI, USE_ASM)
+    if FUSED:
+        tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
+        tl.store(DW + r * HI + offs_h, dw)
 
 
 def replicas(entries: int, head_dim: int) -> int:
@@ -219,12 +233,14 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
         hb = min(HB, HI)
         common = (qc, wc, kc, selc, g)
         strides = (K, qc.stride(0), qc.stride(1), wc.stride(0), selc.stride(0), g.stride(0))
-        _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb, PREC=_prec(qc.dtype),
-                                      SPLIT=split, num_warps=4)
-        _student_bwd_keys[(T,)](*common, dkeys_copies, *strides, dkeys_copies.stride(0), copies, HI=HI, DI=DI,
-                                BK=BK_KEYS, HB=hb, PREC=_prec(qc.dtype),
-                                SPLIT=split, USE_ASM=qc.is_cuda if vector_red is None else vector_red,
-                                num_warps=WARPS_KEYS)
+        fused = hb == HI
+        if not fused:
+            _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb,
+                                          PREC=_prec(qc.dtype), SPLIT=split, num_warps=4)
+        _student_bwd_keys[(T,)](*common, dkeys_copies, dq, dw, *strides, dkeys_copies.stride(0), copies, HI=HI,
+                                DI=DI, BK=BK if fused else BK_KEYS, HB=hb, PREC=_prec(qc.dtype), SPLIT=split,
+                                USE_ASM=qc.is_cuda if vector_red is None else vector_red, FUSED=fused,
+                                num_warps=4 if fused else WARPS_KEYS)
     else:
         dq.zero_()
         dw.zero_()
