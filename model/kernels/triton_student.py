@@ -75,10 +75,7 @@ def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
     offs_h = tl.arange(0, HB)
     offs_d = tl.arange(0, DI)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
-        ent = tl.maximum(tl.load(SEL + r * ss_t + ks, mask=kmask, other=0), 0).to(tl.int64)
-        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
+        ks, kmask, _, ent, kt = _key_block(KEYS, SEL, r, ss_t, k0, K, offs_d, DI, BK)
         s = tl.zeros([BK], tl.float32)
         for h0 in tl.static_range(0, HI, HB):
             q = tl.load(Q + r * sq_t + (h0 + offs_h)[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
@@ -86,6 +83,18 @@ def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
             logits = tl.dot(q, kt, input_precision=PREC)  # [HB, BK] float32
             s += tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(OUT + r * so_t + ks, s, mask=kmask)
+
+
+@triton.jit
+def _key_block(KEYS, SEL, r, ss_t, k0, K, offs_d, DI: tl.constexpr, BK: tl.constexpr):
+    """Key block ``k0`` of row ``r``: (slots [BK], in range [BK], selected [BK] (in range and not -1), entry ids
+    [BK] int64 (0 where not selected), the gathered keys transposed [DI, BK])."""
+    ks = k0 + tl.arange(0, BK)
+    kmask = ks < K
+    raw = tl.load(SEL + r * ss_t + ks, mask=kmask, other=-1)
+    ent = tl.maximum(raw, 0).to(tl.int64)
+    kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)
+    return ks, kmask, raw >= 0, ent, kt
 
 
 @triton.jit
@@ -109,12 +118,8 @@ def _student_bwd_q(Q, W, KEYS, SEL, G, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t,
     dq = tl.zeros([HB, DI], tl.float32)
     dw = tl.zeros([HB], tl.float32)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
-        raw = tl.load(SEL + r * ss_t + ks, mask=kmask, other=-1)
-        ent = tl.maximum(raw, 0).to(tl.int64)
-        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
-        act_g, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, raw >= 0, PREC)
+        ks, kmask, ok, ent, kt = _key_block(KEYS, SEL, r, ss_t, k0, K, offs_d, DI, BK)
+        act_g, gl = _logit_grad(q, w, kt, G, r, sg_t, ks, kmask, ok, PREC)
         dw += tl.sum(act_g, 1)
         if SPLIT:  # gl = hi + lo, both bf16: two tensor-core products, every product exact
             gl_hi = gl.to(tl.bfloat16)
@@ -141,12 +146,7 @@ def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss
     dq = tl.zeros([HB, DI], tl.float32)
     dw = tl.zeros([HB], tl.float32)
     for k0 in range(0, K, BK):
-        ks = k0 + tl.arange(0, BK)
-        kmask = ks < K
-        raw = tl.load(SEL + r * ss_t + ks, mask=kmask, other=-1)
-        ok = raw >= 0
-        ent = tl.maximum(raw, 0).to(tl.int64)
-        kt = tl.load(KEYS + ent[None, :] * DI + offs_d[:, None], mask=kmask[None, :], other=0.0)  # [DI, BK]
+        ks, kmask, ok, ent, kt = _key_block(KEYS, SEL, r, ss_t, k0, K, offs_d, DI, BK)
         dk = tl.zeros([BK, DI], tl.float32)
         for h0 in tl.static_range(0, HI, HB):
             q = tl.load(Q + r * sq_t + (h0 + offs_h)[:, None] * sq_h + offs_d[None, :])  # [HB, DI]
