@@ -23,6 +23,7 @@ from .errors import UsageError
 STATE_DIR = ".v4launch"
 STATE_FILE = "state.json"
 RUNS_DIR = "runs"
+CEILING_ENV = "V4LAUNCH_CEILING_DIRECTORIES"
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,16 @@ class Workspace:
 
     @classmethod
     def current(cls, start: Path | None = None) -> "Workspace":
-        """The workspace containing ``start`` (default: the working directory)."""
+        """The workspace containing ``start`` (default: the working directory): the nearest folder, ``start`` or
+        a parent, holding ``.v4launch/``, else ``start`` itself. The walk stops below any folder named in
+        ``$V4LAUNCH_CEILING_DIRECTORIES`` (os.pathsep-separated, as git's GIT_CEILING_DIRECTORIES): a
+        ``.v4launch/`` in a ceiling or above it is not this workspace's (the tests set it to their temporary
+        root, so a workspace someone made in /tmp cannot leak into them)."""
         here = (start or Path.cwd()).resolve()
+        ceilings = {Path(p).resolve() for p in os.environ.get(CEILING_ENV, "").split(os.pathsep) if p}
         for folder in (here, *here.parents):
+            if folder in ceilings:
+                break
             if (folder / STATE_DIR).is_dir():
                 return cls(folder)
         return cls(here)

@@ -28,3 +28,19 @@ def test_no_recipe_and_no_workspace_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["data", "prepare", "data.max_documents=3"])
     assert isinstance(result.exception, UsageError) and "no recipe given" in result.exception.message
+
+
+def test_a_workspace_above_the_ceiling_is_not_found(tmp_path, monkeypatch):
+    """A ``.v4launch/`` in a parent folder is the workspace (as git finds a repository), unless the walk is
+    stopped below it by V4LAUNCH_CEILING_DIRECTORIES."""
+    from v4launch.workspace import CEILING_ENV, Workspace
+
+    (tmp_path / ".v4launch").mkdir()
+    inner = tmp_path / "a" / "b"
+    inner.mkdir(parents=True)
+    monkeypatch.setenv(CEILING_ENV, "")
+    assert Workspace.current(inner).root == tmp_path.resolve()
+    monkeypatch.setenv(CEILING_ENV, str(tmp_path / "a"))
+    assert Workspace.current(inner).root == inner.resolve()
+    monkeypatch.setenv(CEILING_ENV, str(tmp_path))  # the ceiling itself is not searched either
+    assert Workspace.current(inner).root == inner.resolve()
