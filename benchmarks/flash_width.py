@@ -106,7 +106,8 @@ def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | N
     m["mtp"] = {**m["mtp"], "depth": 0}
     m["moe"] = {**m["moe"], "n_routed_experts": local, "n_activated_experts": k, "n_hash_layers": 0}
     m["init_from_released"] = False
-    seq = tokens or (256 if tiny else src.curriculum.stages[stage].seq_len)
+    stage_seq = src.curriculum.stages[stage].seq_len  # IndexError: no such stage (main() says so)
+    seq = tokens or (256 if tiny else stage_seq)
     m["max_position_embeddings"] = max(m["max_position_embeddings"], seq)
     data["parallel"] = {**data["parallel"], "pp": 1, "vpp": 1, "ep": 1, "cp": 1, "cpu_offloading": False,
                         "micro_batch_size": 1, "global_batch_size": 1,
@@ -222,14 +223,14 @@ def profile(model, batch, device, top: int) -> dict:
                             for e in kernels[:top]]}
 
 
-def parse_rows(entries: list[str]) -> list[tuple[str, int, str]]:
-    """``phase:L[:backend]`` entries -> (phase, L, backend). Raises SystemExit naming a bad entry."""
+def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, int, str]]:
+    """``phase:L[:backend]`` entries -> (phase, L, backend). Raises SystemExit naming ``option`` and the bad entry."""
     rows = []
     for e in entries:
         parts = e.split(":")
         if len(parts) not in (2, 3) or parts[0] not in ("dense", "warmup", "sparse") or not parts[1].isdigit() \
                 or int(parts[1]) < 1 or (len(parts) == 3 and parts[2] not in ("triton", "reference")):
-            raise SystemExit(f"--rows entry {e!r}: must be phase:L[:backend] with phase dense|warmup|sparse, "
+            raise SystemExit(f"{option} entry {e!r}: must be phase:L[:backend] with phase dense|warmup|sparse, "
                              "L >= 1 decoder layers, backend triton|reference (e.g. sparse:4 or warmup:2:reference)")
         rows.append((parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "triton"))
     return rows
@@ -275,13 +276,31 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     rows_wanted = parse_rows(a.rows)
-    profiled = {(p, L, b) for p, L, b in parse_rows(a.profile)}
+    profiled = {(p, L, b) for p, L, b in parse_rows(a.profile, "--profile")}
+    for name, value, least in (("--iters", a.iters, 1), ("--warmup", a.warmup, 0), ("--tokens", a.tokens, 1),
+                               ("--top", a.top, 1), ("--stage", a.stage, 0)):
+        if value is not None and value < least:
+            raise SystemExit(f"{name} {value}: must be at least {least}")
+    from v4launch.errors import RecipeError
+
+    try:
+        recipe0 = bench_recipe(a.recipe, a.stage, "sparse", 2, a.tokens, "triton", a.tiny)
+    except RecipeError as exc:
+        raise SystemExit(f"--recipe {a.recipe}: {exc.message}") from None
+    except IndexError:
+        raise SystemExit(f"--stage {a.stage}: the recipe has no such curriculum stage (0-based)") from None
+    del recipe0
 
     import torch
 
     from v4launch.validators.time_plan import step_flops_per_token
 
-    device = torch.device(a.device)
+    try:
+        device = torch.device(a.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available in this torch")
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {a.device}: {exc} (use --device cpu with --tiny for a smoke run)") from None
     t_start = time.perf_counter()
     peak = None
     if device.type == "cuda":
@@ -339,6 +358,9 @@ def main() -> None:
             print(f"  {name:26} {ms:9.1f} ms {100 * ms / p['gpu_ms']:5.1f}%")
     if a.json:
         a.json.write_text(json.dumps(meta, indent=1))
+    failed = [r for r in meta["rows"] if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(meta['rows'])} rows failed (the table and --json say which)")
 
 
 if __name__ == "__main__":

@@ -78,3 +78,16 @@ def test_kernel_names_land_in_their_region(kernel, region):
 def test_bad_rows_entry_is_refused_with_the_rule(entry):
     with pytest.raises(SystemExit, match=r"--rows entry .*phase:L\[:backend\]"):
         _module().parse_rows([entry])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--iters", "0"], "--iters 0: must be at least 1"),
+    (["--stage", "99"], "--stage 99: the recipe has no such curriculum stage"),
+    (["--recipe", "nope.yaml"], "--recipe nope.yaml: recipe not found"),
+    (["--device", "nosuch"], "--device nosuch:"),
+    (["--profile", "sparse"], "--profile entry 'sparse'"),
+])
+def test_bad_arguments_exit_1_with_one_line_and_no_traceback(tmp_path, args, says):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", *args], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
