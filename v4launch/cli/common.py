@@ -92,6 +92,19 @@ def reader_left() -> None:
         os.close(devnull)
 
 
+def current_workspace():
+    """``Workspace.current()``, saying on stderr when it is a folder above the working one (its ``.v4launch/``
+    then holds the recipe, the data cache and ``runs/``): found as git finds a repository, which surprises
+    when a forgotten ``.v4launch/`` sits in a parent such as /tmp."""
+    from ..workspace import CEILING_ENV, Workspace
+
+    ws = Workspace.current()
+    if ws.root != Path.cwd().resolve():
+        OUT.note(f"workspace: {ws.root} (the nearest folder above this one with .v4launch/; runs go to "
+                 f"{ws.root / 'runs'}; {CEILING_ENV} stops the search)")
+    return ws
+
+
 def report_error(error: V4LaunchError) -> int:
     """Print ``error`` as message + hint on stderr; return its exit code."""
     from rich.markup import escape  # messages quote user values and "[stage x]": never read them as markup

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .common import OUT, OverridesArg, recipe_and_overrides, split_recipe_arg
+from .common import OUT, OverridesArg, current_workspace, recipe_and_overrides, split_recipe_arg
 
 HELP = ("Train RECIPE on this machine: validate it (refused with exit 1 on a contract violation), prepare "
         "its data, create a run directory under the workspace's run.output_root, and run every curriculum "
@@ -60,7 +60,7 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     from ..workspace import Workspace
 
     check_profile_env()  # before a run directory exists: a bad V4LAUNCH_PROFILE_STEPS must not leave a failed run
-    ws = Workspace.current()
+    ws = current_workspace()
     name, extra = split_recipe_arg(recipe, list(overrides or []), "run")
     path, extra = recipe_and_overrides(ws, name, extra)
     loaded = load_recipe(path, extra)

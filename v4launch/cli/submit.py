@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import UsageError, V4LaunchError
-from .common import OUT, JsonOpt, OverridesArg, recipe_and_overrides, split_recipe_arg
+from .common import OUT, JsonOpt, OverridesArg, current_workspace, recipe_and_overrides, split_recipe_arg
 
 HELP = ("Validate RECIPE, freeze it and the code revision into a new run directory, and submit it to "
         "Slurm (one task per GPU; the whole curriculum runs, stage after stage, with checkpoint-and-requeue "
@@ -52,7 +52,7 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     from .run import check_profile_env
 
     check_profile_env()  # the jobs inherit the environment: refuse a malformed one before anything is queued
-    ws = Workspace.current()
+    ws = current_workspace()
     name, extra = split_recipe_arg(recipe, list(overrides or []), "submit")
     path, extra = recipe_and_overrides(ws, name, extra)
     if nodes is not None:

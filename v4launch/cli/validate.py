@@ -17,7 +17,7 @@ from ..errors import RecipeError
 from ..workspace import Workspace
 from .combined_fix import CombinedFix, combine
 from .fix_command import pasteable
-from .common import OUT, JsonOpt, OverridesArg, reader_left, split_recipe_arg
+from .common import OUT, JsonOpt, OverridesArg, current_workspace, reader_left, split_recipe_arg
 
 if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
     from ..validators import Report, RuleResult, StageResult
@@ -71,7 +71,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
         from ..recipe_write import check_target
 
         check_target(write.absolute(), force)
-    workspace = Workspace.current()
+    workspace = current_workspace()
     if path is None:
         path = str(workspace.default_recipe())
         OUT.note(f"recipe: {path} (the workspace's recorded recipe)")
