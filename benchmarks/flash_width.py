@@ -310,7 +310,9 @@ def main() -> None:
         peak = sustained
         print(f"{torch.cuda.get_device_name()}: bf16 matmul peak {sustained:.0f} TFLOP/s sustained, "
               f"{burst:.0f} burst (8192^3)", flush=True)
-    meta = {"recipe": a.recipe, "stage": a.stage, "device": torch.cuda.get_device_name() if device.type == "cuda"
+    shown = Path(a.recipe).resolve()
+    shown = str(shown.relative_to(ROOT)) if shown.is_relative_to(ROOT) else a.recipe  # no machine paths in results
+    meta = {"recipe": shown, "stage": a.stage, "device": torch.cuda.get_device_name() if device.type == "cuda"
             else "cpu", "torch": torch.__version__, "peak_tflops_sustained": peak, "rows": [], "profiles": []}
     print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for phase, L, backend in rows_wanted:
