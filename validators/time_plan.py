@@ -96,14 +96,18 @@ benchmarks/flash_width.py's rows; a warm-up stage on ``kernel_backend: reference
 (not measured at Flash width; docs/time-plan.md)."""
 
 
-def calibration_for(recipe: Recipe, stage: Stage | None = None) -> Calibration:
-    """The measured throughput whose settings the stage runs (the first stage when None): a compiled,
-    graph-replayed step (the bench, every phase), else the eager Flash-width layers of the stage's phase."""
+def calibration_key(recipe: Recipe, stage: Stage | None = None) -> str:
+    """The :data:`CALIBRATIONS` key whose settings the stage runs (the first stage when None): a compiled,
+    graph-replayed step (``graph``: the bench, every phase), else ``eager_<phase>`` (Flash-width layers)."""
     c = recipe.compile
     if c.enable and c.cuda_graph:
-        return CALIBRATIONS["graph"]
-    phase = (stage or recipe.curriculum.stages[0]).phase
-    return CALIBRATIONS[f"eager_{phase}"]
+        return "graph"
+    return f"eager_{(stage or recipe.curriculum.stages[0]).phase}"
+
+
+def calibration_for(recipe: Recipe, stage: Stage | None = None) -> Calibration:
+    """The measured throughput of :func:`calibration_key`."""
+    return CALIBRATIONS[calibration_key(recipe, stage)]
 
 
 def peak_flops(recipe: Recipe) -> float | None:
@@ -227,8 +231,8 @@ def stage_time(recipe: Recipe, index: int) -> StageTime | None:
     tokens = batch * stage.seq_len
     steps = stage.steps if stage.steps is not None else ceil(stage.tokens / tokens)
     flops = step_flops_per_token(recipe, stage) * tokens
-    calibration = calibration_for(recipe, stage)
-    achieved = peak * calibration.fraction_of_peak
+    key = calibration_key(recipe, stage)
+    achieved = peak * CALIBRATIONS[key].fraction_of_peak
     balance, moe_layers = _layout(recipe, stage)
     accum = max(1, batch // max(1, dp * p.micro_batch_size))
     bubble = (p.pp - 1) / (p.vpp * accum) if p.pp > 1 else 0.0
@@ -245,8 +249,7 @@ def stage_time(recipe: Recipe, index: int) -> StageTime | None:
     eval_s = n_eval * eval_step_fraction(dp, accum, recompute=p.recompute_granularity == "full") * step
     wall = steps * step + eval_s
     return StageTime(stage.name, steps, tokens, flops, compute, bubble, ep_s, cp_s, dp_s, step, n_eval, eval_s, wall,
-                     wall / 3600 * c.world_size, ceil(wall / segment_seconds(recipe)),
-                     next(k for k, v in CALIBRATIONS.items() if v is calibration))
+                     wall / 3600 * c.world_size, ceil(wall / segment_seconds(recipe)), key)
 
 
 def _cp_bytes(recipe: Recipe, stage: Stage, cp: int) -> float:
