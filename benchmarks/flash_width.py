@@ -284,12 +284,11 @@ def main() -> None:
     from v4launch.errors import RecipeError
 
     try:
-        recipe0 = bench_recipe(a.recipe, a.stage, "sparse", 2, a.tokens, "triton", a.tiny)
+        bench_recipe(a.recipe, a.stage, "sparse", 2, a.tokens, "triton", a.tiny)  # bad input: one line, before torch
     except RecipeError as exc:
         raise SystemExit(f"--recipe {a.recipe}: {exc.message}") from None
     except IndexError:
         raise SystemExit(f"--stage {a.stage}: the recipe has no such curriculum stage (0-based)") from None
-    del recipe0
 
     import torch
 
