@@ -82,6 +82,8 @@ class Indexer(nn.Module):
 
         ``x_comp``: compressor input (the extended rows under context parallelism; default
         ``x``), also detached; ``plan`` lists the entries to compute from it.
+        Returns q [T, H_I, d_I] and keys [C, d_I] in one dtype (q's: bf16 under bf16 autocast), w [T, H_I] in
+        the accumulation dtype.
         """
         x_comp = (x if x_comp is None else x_comp).detach()
         x, qr = x.detach(), qr.detach()
@@ -91,7 +93,12 @@ class Indexer(nn.Module):
         if self.use_hadamard:
             q = hadamard_rotate(q)
         w = linear(x, self.weights_proj, acc_dtype(x.dtype)) * self.weight_scale  # [T, H_I]
-        return IndexerInputs(q=q, w=w, keys=self.compressor(x_comp, plan, rope))
+        # keys in the queries' dtype: under bf16 autocast q is bf16 but the compressor returns its input's dtype
+        # (float32 at a CSA first layer, whose input is the float32 embedding), and one float32 operand sent the
+        # student kernels to float32 math on the CUDA cores (~1.3 s of one backward call at Flash width, 64K
+        # tokens; seed 000 §9: the indexer's activation path is bf16, its softmax / KL reductions float32)
+        keys = self.compressor(x_comp, plan, rope).to(q.dtype)
+        return IndexerInputs(q=q, w=w, keys=keys)
 
     @staticmethod
     def score_all(inp: IndexerInputs, rows: slice, lo: int, hi: int) -> torch.Tensor:

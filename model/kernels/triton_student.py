@@ -58,16 +58,6 @@ BK_KEYS = 64
 WARPS_KEYS = 4
 """Key block and warps of the key-gradient kernel, whose [BK_KEYS, dI] float32 accumulator is its largest tile
 (module globals so benchmarks/student_keys_sweep.py can time other values)."""
-REPLICA_BYTES = 256 << 20
-MAX_REPLICAS = 16
-REPLICAS: int | None = None
-"""The key gradient is reduced into ``S`` float32 copies of [C, dI], row t adding into copy ``t % S``, then summed:
-neighbouring query rows select mostly the same entries, so with one copy every row's reductions queue on the same
-addresses (measured at Flash width: 683 ms per call against 6 ms for rows selecting at random). S is as many
-copies as ``REPLICA_BYTES`` hold, at most ``MAX_REPLICAS`` (16 at 64K tokens: C = 16,384 entries x dI 128;
-2 at 1M), or ``REPLICAS`` when set (benchmarks)."""
-
-
 @triton.jit
 def _student_fwd(Q, W, KEYS, SEL, OUT, K, sq_t, sq_h, sw_t, ss_t, so_t,
                  HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr):
@@ -133,14 +123,13 @@ def _student_bwd_q(Q, W, KEYS, SEL, G, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t,
 
 
 @triton.jit
-def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t, replica_stride, S,
+def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss_t, sg_t,
                       HI: tl.constexpr, DI: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr, PREC: tl.constexpr,
                       SPLIT: tl.constexpr, USE_ASM: tl.constexpr, FUSED: tl.constexpr):
     """The key gradient of one query row: per key block, sum over the head blocks of ``gl^T q`` [BK, dI], added
-    to the selected rows of DKEYS's copy ``r % S`` with relaxed float32 reductions. FUSED (one head block,
+    to DKEYS's selected rows with relaxed float32 reductions. FUSED (one head block,
     HI == HB): dq and dw of the row too, in the same pass (then :func:`_student_bwd_q` is not launched)."""
     r = tl.program_id(0).to(tl.int64)
-    DKEYS += (r % S) * replica_stride
     offs_h = tl.arange(0, HB)
     offs_d = tl.arange(0, DI)
     dq = tl.zeros([HB, DI], tl.float32)
@@ -170,11 +159,6 @@ def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss
     if FUSED:
         tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
         tl.store(DW + r * HI + offs_h, dw)
-
-
-def replicas(entries: int, head_dim: int) -> int:
-    """Copies of the float32 key gradient [entries, head_dim] the backward reduces into (:data:`REPLICAS`)."""
-    return max(1, min(MAX_REPLICAS, REPLICA_BYTES // max(1, entries * head_dim * 4)))
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -227,8 +211,7 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
     g = g.to(torch.float32).contiguous()
     dq = torch.empty(T, HI, DI, dtype=torch.float32, device=g.device)
     dw = torch.empty(T, HI, dtype=torch.float32, device=g.device)
-    copies = replicas(kc.shape[0], DI) if REPLICAS is None else REPLICAS
-    dkeys_copies = torch.zeros((copies, *kc.shape), dtype=torch.float32, device=g.device)
+    dkeys = torch.zeros(kc.shape, dtype=torch.float32, device=g.device)
     if T and K:
         hb = min(HB, HI)
         common = (qc, wc, kc, selc, g)
@@ -237,14 +220,12 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
         if not fused:
             _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb,
                                           PREC=_prec(qc.dtype), SPLIT=split, num_warps=4)
-        _student_bwd_keys[(T,)](*common, dkeys_copies, dq, dw, *strides, dkeys_copies.stride(0), copies, HI=HI,
-                                DI=DI, BK=BK if fused else BK_KEYS, HB=hb, PREC=_prec(qc.dtype), SPLIT=split,
-                                USE_ASM=qc.is_cuda if vector_red is None else vector_red, FUSED=fused,
+        _student_bwd_keys[(T,)](*common, dkeys, dq, dw, *strides, HI=HI, DI=DI, BK=BK if fused else BK_KEYS,
+                                HB=hb, PREC=_prec(qc.dtype), SPLIT=split, USE_ASM=qc.is_cuda if vector_red is None else vector_red, FUSED=fused,
                                 num_warps=4 if fused else WARPS_KEYS)
     else:
         dq.zero_()
         dw.zero_()
-    dkeys = dkeys_copies[0] if copies == 1 else dkeys_copies.sum(0)
     return dq.to(q.dtype), dw.to(w.dtype), dkeys.to(keys.dtype)
 
 

@@ -189,3 +189,37 @@ def test_rows_reach_the_dispatcher_sorted_by_expert_in_the_compute_dtype(gen):
         y, _ = moe(x, zeros, zeros, 1)
     assert [d for d, _ in seen] == [torch.float32, torch.bfloat16] and y.dtype == torch.float32
     assert all(sum(c) == T * args.n_activated_experts and len(c) == args.n_routed_experts for _, c in seen)
+
+
+def test_indexer_queries_and_keys_share_the_compute_dtype_under_autocast(gen, monkeypatch):
+    """Under bf16 autocast a float32 model's indexer hands the student / top-k kernels q and keys in one dtype
+    (bf16): float32 keys from the compressor (its input the float32 embedding) promoted q to float32 and
+    sent the Triton student to float32 math on the CUDA cores (~25x slower at Flash width). The keys' gradient
+    still reaches the indexer's compressor through the cast, and only the indexer's parameters. A CSA first layer:
+    its input is the float32 embedding (later layers get the blocks' bf16 output)."""
+    from v4launch.model.indexer import Indexer
+
+    model = build(tiny_args(compress_ratios=(4, 128, 4, 0, 0), n_hash_layers=0), "sparse", gen, dtype=torch.float32)
+    seen = []
+    prepare = Indexer.prepare
+
+    def recording(self, *a, **k):
+        inp = prepare(self, *a, **k)
+        seen.append((inp.q.dtype, inp.keys.dtype, inp.w.dtype))
+        return inp
+
+    monkeypatch.setattr(Indexer, "prepare", recording)
+    tokens, cu, max_len, labels = packed_batch([40, 24], model.args.vocab_size, gen)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = model(tokens, cu, max_len, labels)
+    n_csa = sum(1 for r in model.args.compress_ratios[:model.args.n_layers] if r == 4)
+    assert len(seen) == n_csa and all(s == (torch.bfloat16, torch.bfloat16, torch.float32) for s in seen), seen
+    kl = [v for k, v in out.aux_losses.items() if k.startswith("indexer_kl/")]
+    assert len(kl) == n_csa
+    sum(kl).backward()
+    for name, p in model.named_parameters():
+        reached = p.grad is not None and bool(p.grad.abs().sum() > 0)
+        if ".indexer.compressor." in name and name.endswith(("wkv.weight", "wgate.weight")):
+            assert reached, name
+        elif ".indexer." not in name:
+            assert not reached, name
