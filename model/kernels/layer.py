@@ -97,6 +97,72 @@ def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tens
     return total, count
 
 
+def visible_selection(first: torch.Tensor, nvis: torch.Tensor, r0: int, r1: int, width: int) -> torch.Tensor:
+    """Every entry rows r0..r1-1 see, as a selection table [r1 - r0, width] int32 of global entry ids: row r's
+    slot j is ``first[r] + j`` for j < ``nvis[r]``, -1 after (``width`` >= the rows' largest ``nvis``)."""
+    j = torch.arange(width, device=first.device)
+    sel = first[r0:r1, None].long() + j[None, :]
+    return torch.where(j[None, :] < nvis[r0:r1, None], sel, -1).to(torch.int32)
+
+
+class _DenseKL(torch.autograd.Function):
+    """The warm-up KL on a kernel backend: the sparse phase's teacher (``head_avg_probs``) and student
+    (``student_scores``) with every visible entry as the selection (:func:`visible_selection`), row chunk by row
+    chunk. Its gradient (in the indexer's q, w and keys only; the teacher is detached, seed 000 §3) is formed in
+    the forward, per chunk, as ``d KL / d student = p_s * sum(p_t) - p_t`` through the student's backward, and
+    scaled by the incoming gradient in the backward: memory stays O(rows x indexer width) plus one chunk's
+    [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries)."""
+
+    @staticmethod
+    def forward(ctx, iq, iw, keys, q, kv_all, first, nvis, chunks, backend, n_kv, scale, need_grad):
+        total = torch.zeros((), dtype=acc_dtype(iq.dtype), device=q.device)
+        count = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dw = torch.zeros_like(iq), torch.zeros_like(iw)
+        dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)  # summed over chunks
+        for r0, r1, lo, hi in chunks:
+            sel = visible_selection(first, nvis, r0, r1, hi - lo)
+            valid = sel >= 0
+            p_t = backend.head_avg_probs(q[r0:r1], kv_all, torch.where(valid, sel + n_kv, -1), scale)  # [R, W]
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(need_grad) for t in (iq[r0:r1], iw[r0:r1], keys)]
+                student = backend.student_scores(*leaves, sel)  # [R, W] float32
+            s = student.detach()
+            part, n = kl_from_probs(p_t, s, valid)
+            total, count = total + part, count + n
+            if need_grad:
+                has = valid.any(1, keepdim=True)
+                scores = torch.where(valid, s, torch.where(has, float("-inf"), 0.0))  # as kl_from_probs
+                p_s = torch.where(valid, scores.softmax(-1), 0.0)
+                p_t = torch.where(valid, p_t.to(s.dtype), 0.0)
+                g_q, g_w, g_k = torch.autograd.grad(student, leaves, p_s * p_t.sum(1, keepdim=True) - p_t)
+                dq[r0:r1], dw[r0:r1] = g_q, g_w
+                dkeys += g_k
+        ctx.save_for_backward(dq, dw, dkeys)
+        ctx.keys_dtype = keys.dtype
+        ctx.mark_non_differentiable(count)
+        return total, count
+
+    @staticmethod
+    def backward(ctx, g_total, _g_count):
+        dq, dw, dkeys = ctx.saved_tensors
+        return (g_total * dq, g_total * dw, (g_total * dkeys).to(ctx.keys_dtype),
+                *([None] * 9))
+
+
+@torch.compiler.disable  # host-side chunk bounds, as _warmup_kl
+def _fused_warmup_kl(attn, inp, q: torch.Tensor, kv_all: torch.Tensor, n_kv: int, first: torch.Tensor,
+                     nvis: torch.Tensor, max_entries: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Warm-up KL (the same value and indexer gradients as :func:`_warmup_kl`) through the backend's teacher and
+    student kernels (:class:`_DenseKL`): q [T, H, D] and kv_all [N, D] the main attention's (detached here), the
+    compressed entries at kv_all rows ``n_kv + id``. Row chunks of [rows, entries] <= 2^26 slots (4,096 rows at
+    16K entries), one host read per call (:func:`warmup_chunks`). Returns (KL sum 0-d float32, rows counted)."""
+    rows_per = max(16, min(q.shape[0], 2 ** 26 // max(1, max_entries)))
+    chunks = warmup_chunks(first, nvis, rows_per)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.w, inp.keys))
+    return _DenseKL.apply(inp.q, inp.w, inp.keys, q.detach(), kv_all.detach(), first, nvis, chunks, backend, n_kv,
+                          attn.softmax_scale, need_grad)
+
+
 def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Same contract as ``Attention.forward(x, ctx)``: x [T, dim] (this rank's rows) -> (out [T, dim],
     KL 0-d or None), on one device or under context parallelism.
@@ -159,7 +225,9 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
             student = backend.student_scores(inp.q, inp.w, inp.keys, sel)
             kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
         else:
-            kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)
+            kl_sum, kl_rows = (_fused_warmup_kl(attn, inp, q, kv_all, kv.shape[0], first, nvis, plan.max_entries,
+                                                backend) if backend.name == "triton" else
+                               _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries))
     if kl_sum is None:  # no compressed entry for these queries: an explicit zero
         kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
     kl_sum = ctx.cp.tie(kl_sum, mems)

@@ -115,3 +115,47 @@ def test_range_bounds_given_to_the_kernels_bound_every_range(monkeypatch, phase)
             assert int(lengths[:, 1].max()) == 0 and int(span[valid.any(1)].max()) <= entries
         kinds.add("idx" if idx is not None else "entries" if entries else "window")
     assert kinds >= ({"window", "entries", "idx"} if phase == "sparse" else {"window", "entries"}), kinds
+
+
+def test_fused_warmup_kl_has_the_reference_value_and_indexer_gradients(monkeypatch):
+    """The warm-up KL on a kernel backend (``layer._DenseKL``: the teacher and student over every visible entry as
+    a selection, row chunks of a few rows, the gradient formed in the forward) against the reference path's
+    chunked einsums, float64, random packs: the same KL per layer and the same gradient in every indexer parameter,
+    and no gradient outside the indexers (the teacher is detached). The stand-in backend runs the reference
+    teacher and student functions; the Triton kernels themselves are held to float64 in test_kernels_triton."""
+    from v4launch.model.kernels import layer
+
+    gen = fresh_gen()
+    args = tiny_args(index_topk=3)
+    ref = V4Model(args, "warmup").double()
+    randomize(ref, gen)
+    fused = V4Model(args, "warmup", kernel_backend="triton").double()
+    fused.load_state_dict(ref.state_dict())
+    base = dispatch.select_backend("reference", "cpu")
+    chunks_seen = []
+    warmup_chunks = layer.warmup_chunks
+
+    def small_chunks(first, nvis, rows_per):  # a few rows per chunk: many chunks, segments split across them
+        chunks_seen.append(warmup_chunks(first, nvis, 7))
+        return chunks_seen[-1]
+
+    monkeypatch.setattr(layer, "warmup_chunks", small_chunks)
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: dataclasses.replace(base, name="triton"))
+    tokens, cu, labels = _batch(gen, args.vocab_size)
+    kl, weights = {}, torch.rand(2, generator=gen, dtype=torch.float64) + 0.5  # one weight per CSA layer's KL
+    for name, model in (("ref", ref), ("fused", fused)):
+        out = model(tokens, cu, 43, labels)
+        kl[name] = {k: v for k, v in out.aux_losses.items() if k.startswith("indexer_kl/")}
+        sum(w * v for w, v in zip(weights, kl[name].values())).backward()
+    assert chunks_seen and max(len(c) for c in chunks_seen) >= 5
+    assert kl["ref"].keys() == kl["fused"].keys() and len(kl["ref"]) == 2
+    for k in kl["ref"]:
+        torch.testing.assert_close(kl["fused"][k], kl["ref"][k], rtol=1e-10, atol=1e-12, msg=k)
+    grads = dict(fused.named_parameters())
+    for name, p in ref.named_parameters():
+        g_fused = grads[name].grad
+        if ".indexer." in name:
+            assert p.grad is not None and g_fused is not None, name
+            torch.testing.assert_close(g_fused, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+        else:
+            assert g_fused is None or not g_fused.any(), name

@@ -322,6 +322,58 @@ def test_student_scores_match_reference_in_float32_math(HI):
         torch.use_deterministic_algorithms(False)
 
 
+def _dense_kl_float64(iq, iw, keys, q, comp, first, nvis, scale):
+    """The warm-up KL written out in float64, every row at once: teacher = per-head softmax of ``q . comp`` over
+    each row's visible entries, averaged over heads; student = ``sum_h w relu(iq . keys)``; KL(teacher || softmax
+    of the student over the same entries) summed over rows with an entry. (sum, rows counted)."""
+    C = comp.shape[0]
+    c = torch.arange(C, device=q.device)
+    vis = (c[None, :] >= first[:, None]) & (c[None, :] < (first + nvis)[:, None])  # [T, C]
+    t_logits = torch.einsum("thd,cd->thc", q.double(), comp.double()) * scale
+    p_t = t_logits.masked_fill(~vis[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0).mean(1)
+    s = torch.einsum("thc,th->tc", torch.einsum("thd,cd->thc", iq, keys).relu(), iw)
+    log_p_s = s.masked_fill(~vis, float("-inf")).log_softmax(-1)
+    has = vis.any(1)
+    kl = torch.where(vis, torch.special.xlogy(p_t, p_t) - p_t * log_p_s.masked_fill(~vis, 0.0), 0.0)
+    return kl[has].sum(), int(has.sum())
+
+
+def test_fused_warmup_kl_at_flash_width_matches_float64():
+    """The warm-up (dense) KL through the Triton teacher and student (``layer._DenseKL``: every visible entry as the
+    selection, row chunks) at V4-Flash's widths (64 heads x 512, indexer 64 x 128) on two packed segments, against
+    :func:`_dense_kl_float64` on the same bf16 inputs: the KL and its gradients in the indexer's q, w and keys.
+    The KL (a sum of non-negative row KLs) to 1e-3 relative, the gradients to 1e-2 (bf16 storage of dq, d keys)."""
+    from v4launch.model.kernels import layer
+    from v4launch.model.kernels.dispatch import select_backend
+
+    lengths, H, D, HI, DI, scale = [1536, 512], 64, 512, 64, 128, 512 ** -0.5
+    T = sum(lengths)
+    seg = torch.repeat_interleave(torch.arange(2), torch.tensor(lengths)).to(DEV)
+    pos = torch.arange(T, device=DEV) - torch.tensor([0, lengths[0]], device=DEV)[seg]
+    counts = torch.tensor(lengths, device=DEV) // 4
+    first, nvis = (torch.cumsum(counts, 0) - counts)[seg], (pos + 1) // 4
+    C, n_kv = int(counts.sum()), 700
+    q = torch.randn(T, H, D, device=DEV).to(torch.bfloat16)
+    kv_all = torch.randn(n_kv + C, D, device=DEV).to(torch.bfloat16)
+    iq = torch.randn(T, HI, DI, device=DEV).to(torch.bfloat16)
+    iw = torch.randn(T, HI, device=DEV) * (HI * DI) ** -0.5
+    keys = torch.randn(C, DI, device=DEV).to(torch.bfloat16)
+    g = torch.rand((), device=DEV) + 0.5
+    backend = select_backend("triton", DEV)
+    chunks = layer.warmup_chunks(first, nvis, 700)  # three chunks, the second across the segment boundary
+    leaves = [x.clone().requires_grad_() for x in (iq, iw, keys)]
+    _poison()
+    kl, rows = layer._DenseKL.apply(*leaves, q, kv_all, first, nvis, chunks, backend, n_kv, scale, True)
+    grads = torch.autograd.grad(kl * g, leaves)
+    ref_leaves = [x.double().requires_grad_() for x in (iq, iw, keys)]
+    kl2, rows2 = _dense_kl_float64(*ref_leaves, q, kv_all[n_kv:], first, nvis, scale)
+    grads2 = torch.autograd.grad(kl2 * g.double(), ref_leaves)
+    assert int(rows) == rows2 == T - 3 - 3  # rows 0-2 of each segment see no entry
+    assert abs(float(kl.detach()) - float(kl2.detach())) <= 1e-3 * float(kl2.detach()) and float(kl2.detach()) > 0
+    for got, want, name in zip(grads, grads2, ("dq", "dw", "dkeys")):
+        assert bool(torch.isfinite(got).all()) and _rel(got, want) <= 1e-2, (name, _rel(got, want))
+
+
 def test_student_backward_split_products_keep_float32_math():
     """The bf16 backward's hi + lo products against the same kernel's float32 (``ieee``) products on one input:
     dq and d keys are stored in bf16, so they may differ only where float32 math itself sits at a bf16 rounding
