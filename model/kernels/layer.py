@@ -105,6 +105,10 @@ def visible_selection(first: torch.Tensor, nvis: torch.Tensor, r0: int, r1: int,
     return torch.where(j[None, :] < nvis[r0:r1, None], sel, -1).to(torch.int32)
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _DenseKL(torch.autograd.Function):
     """The warm-up KL on a kernel backend: the sparse phase's teacher (``head_avg_probs``) and student
     (``student_scores``) with every visible entry as the selection (:func:`visible_selection`), row chunk by row
@@ -123,7 +127,9 @@ class _DenseKL(torch.autograd.Function):
             sel = visible_selection(first, nvis, r0, r1, hi - lo)
             valid = sel >= 0
             p_t = backend.head_avg_probs(q[r0:r1], kv_all, torch.where(valid, sel + n_kv, -1), scale)  # [R, W]
-            with torch.enable_grad():
+            # the student's own graph lives inside this chunk: its saved tensors bypass the enclosing hooks (whole-
+            # layer recompute's checkpoint would rerun the layer to unpack them here; host offload would copy them)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 leaves = [t.detach().requires_grad_(need_grad) for t in (iq[r0:r1], iw[r0:r1], keys)]
                 student = backend.student_scores(*leaves, sel)  # [R, W] float32
             s = student.detach()
@@ -134,7 +140,8 @@ class _DenseKL(torch.autograd.Function):
                 scores = torch.where(valid, s, torch.where(has, float("-inf"), 0.0))  # as kl_from_probs
                 p_s = torch.where(valid, scores.softmax(-1), 0.0)
                 p_t = torch.where(valid, p_t.to(s.dtype), 0.0)
-                g_q, g_w, g_k = torch.autograd.grad(student, leaves, p_s * p_t.sum(1, keepdim=True) - p_t)
+                with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                    g_q, g_w, g_k = torch.autograd.grad(student, leaves, p_s * p_t.sum(1, keepdim=True) - p_t)
                 dq[r0:r1], dw[r0:r1] = g_q, g_w
                 dkeys += g_k
         ctx.save_for_backward(dq, dw, dkeys)
