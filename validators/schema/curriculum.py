@@ -34,7 +34,7 @@ class Stage(Section):
     cp: int | None = Field(None, ge=1, le=MAX_DEGREE, description="Context-parallel size for this stage; null = parallel.cp.")
     phase: Phase = Field("sparse", description="Attention phase: dense, warmup or sparse.")
     indexer_loss: IndexerLoss | None = Field(None, description="KL target override; null = the phase default (warmup: dense, sparse: sparse).")
-    kernel_backend: KernelBackend | None = Field(None, description="Attention kernels for this stage; null = attention.kernel_backend (e.g. 'reference' for a dense-loss warm-up on SM90).")
+    kernel_backend: KernelBackend | None = Field(None, description="Attention kernels for this stage; null = attention.kernel_backend (e.g. 'reference' for one stage of a triton recipe).")
     tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Budget in training tokens (global, all ranks); at most 2^50 (~1.1e15, 30x the largest published corpus).")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Budget in optimizer steps; at most 2^31 - 1.")
     lr: float | None = Field(None, gt=0, le=1, description="Peak learning rate of this stage, in (0, 1] and >= optimizer.min_lr; null = optimizer.lr.")
