@@ -121,8 +121,10 @@ class _DenseKL(torch.autograd.Function):
     def forward(ctx, iq, iw, keys, q, kv_all, first, nvis, chunks, backend, n_kv, scale, need_grad):
         total = torch.zeros((), dtype=acc_dtype(iq.dtype), device=q.device)
         count = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dw = torch.zeros_like(iq), torch.zeros_like(iw)
-        dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)  # summed over chunks
+        dq = dw = dkeys = None  # the gradient, formed only when one is wanted (not under no_grad / evaluation)
+        if need_grad:
+            dq, dw = torch.zeros_like(iq), torch.zeros_like(iw)
+            dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)  # summed over chunks
         for r0, r1, lo, hi in chunks:
             sel = visible_selection(first, nvis, r0, r1, hi - lo)
             valid = sel >= 0

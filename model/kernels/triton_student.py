@@ -220,8 +220,9 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
         if not fused:
             _student_bwd_q[(T, HI // hb)](*common, dq, dw, *strides, HI=HI, DI=DI, BK=BK, HB=hb,
                                           PREC=_prec(qc.dtype), SPLIT=split, num_warps=4)
+        use_asm = qc.is_cuda if vector_red is None else vector_red
         _student_bwd_keys[(T,)](*common, dkeys, dq, dw, *strides, HI=HI, DI=DI, BK=BK if fused else BK_KEYS,
-                                HB=hb, PREC=_prec(qc.dtype), SPLIT=split, USE_ASM=qc.is_cuda if vector_red is None else vector_red, FUSED=fused,
+                                HB=hb, PREC=_prec(qc.dtype), SPLIT=split, USE_ASM=use_asm, FUSED=fused,
                                 num_warps=4 if fused else WARPS_KEYS)
     else:
         dq.zero_()

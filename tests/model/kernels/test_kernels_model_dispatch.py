@@ -151,6 +151,10 @@ def test_fused_warmup_kl_has_the_reference_value_and_indexer_gradients(monkeypat
     assert kl["ref"].keys() == kl["fused"].keys() and len(kl["ref"]) == 2
     for k in kl["ref"]:
         torch.testing.assert_close(kl["fused"][k], kl["ref"][k], rtol=1e-10, atol=1e-12, msg=k)
+    with torch.no_grad():  # evaluation: the value alone, no gradient formed
+        evaluated = fused(tokens, cu, 43, labels).aux_losses
+    for k in kl["ref"]:
+        torch.testing.assert_close(evaluated[k], kl["ref"][k].detach(), rtol=1e-10, atol=1e-12, msg=k)
     grads = dict(fused.named_parameters())
     for name, p in ref.named_parameters():
         g_fused = grads[name].grad
