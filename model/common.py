@@ -9,8 +9,10 @@ holds when a sub-module is cast on its own.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -195,3 +197,26 @@ def on_device_count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor
     there (``torch.as_tensor(n, device=...)`` would copy it from host memory, a wait on the GPU, and a copy
     a CUDA graph cannot capture)."""
     return n if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=device)
+
+
+_SAVED_FOR_REPLAY = contextvars.ContextVar("v4launch_saved_for_replay", default=False)
+
+
+@contextlib.contextmanager
+def saved_for_replay(value: bool) -> Iterator[None]:
+    """Mark the code run inside as the first pass of a recomputed region (``value`` True: what it saves for
+    backward is dropped and recomputed by the replay) or as the replay itself (False). Set by
+    ``parallel/recompute.py`` around each region; read with :func:`forward_is_replayed_later`."""
+    token = _SAVED_FOR_REPLAY.set(value)
+    try:
+        yield
+    finally:
+        _SAVED_FOR_REPLAY.reset(token)
+
+
+def forward_is_replayed_later() -> bool:
+    """True inside the first pass of a recomputed region: its saved tensors are dropped and the region runs
+    again in backward, so work whose only product is a saved tensor (a gradient formed in the forward, as the
+    warm-up KL's ``kernels.layer._DenseKL``) can be left to the replay. It must still save tensors of the same
+    shapes and dtypes: the checkpoint matches the replay's saved tensors to the first pass's one by one."""
+    return _SAVED_FOR_REPLAY.get()

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..common import acc_dtype, linear, on_device_count
+from ..common import acc_dtype, forward_is_replayed_later, linear, on_device_count
 from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
 from .dispatch import Backend
@@ -115,7 +115,11 @@ class _DenseKL(torch.autograd.Function):
     chunk. Its gradient (in the indexer's q, w and keys only; the teacher is detached, seed 000 §3) is formed in
     the forward, per chunk, as ``d KL / d student = p_s * sum(p_t) - p_t`` through the student's backward, and
     scaled by the incoming gradient in the backward: memory stays O(rows x indexer width) plus one chunk's
-    [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries)."""
+    [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries).
+    In the first pass of a recomputed region (whole-layer recompute) the gradient is left to the replay, whose
+    saved tensors the backward uses (``common.forward_is_replayed_later``): the first pass saves uninitialised
+    tensors of the same shapes, and the student's backward runs once per step instead of twice (1.5 of the
+    3.8 s of KL work in a 4-layer, 64K-token warm-up step at Flash width, benchmarks/results/flash_width_h200_2026-12-04.md)."""
 
     @staticmethod
     def forward(ctx, iq, iw, keys, q, kv_all, first, nvis, chunks, backend, n_kv, scale, need_grad):
@@ -123,8 +127,10 @@ class _DenseKL(torch.autograd.Function):
         count = torch.zeros((), dtype=torch.int64, device=q.device)
         dq = dw = dkeys = None  # the gradient, formed only when one is wanted (not under no_grad / evaluation)
         if need_grad:
-            dq, dw = torch.zeros_like(iq), torch.zeros_like(iw)
+            placeholders = forward_is_replayed_later()  # the replay forms it (class docstring)
+            dq, dw = (torch.empty_like if placeholders else torch.zeros_like)(iq), torch.zeros_like(iw)
             dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)  # summed over chunks
+            need_grad = not placeholders
         for r0, r1, lo, hi in chunks:
             sel = visible_selection(first, nvis, r0, r1, hi - lo)
             valid = sel >= 0

@@ -56,6 +56,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ...validators.recompute_policy import FULL_LAYER, REGIONS, recompute_regions
 from ..attention import BatchContext
+from ..common import saved_for_replay
 from ..moe import MoE
 from .fsdp import decoder_blocks
 
@@ -111,10 +112,11 @@ def _checkpointing(base: type, name: str, moe_of: Callable[[nn.Module], MoE] | N
 
         def body(*a, **k):
             calls[0] += 1
-            if calls[0] == 1:
-                return method(self, *a, **k)
+            if calls[0] == 1:  # the first pass: what it saves is dropped and recomputed by the replay
+                with saved_for_replay(True):
+                    return method(self, *a, **k)
             # a replay: the batch's tables as the forward saw them, the experts' tokens counted once
-            with batch.as_of(tables) if batch is not None else contextlib.nullcontext():
+            with saved_for_replay(False), batch.as_of(tables) if batch is not None else contextlib.nullcontext():
                 if moe_of is None:
                     return method(self, *a, **k)
                 counts = moe_of(self).expert_counts

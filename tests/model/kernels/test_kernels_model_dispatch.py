@@ -169,8 +169,9 @@ def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_p
     """Under whole-layer recompute (a non-reentrant checkpoint around each block) the fused warm-up KL forms its
     gradient inside the forward; the student's own graph must not go through the checkpoint's saved-tensor
     hooks, which would rerun the whole layer to unpack it (at Flash width that held the layer twice and ran out
-    of memory on an H200). One student call per CSA layer in the forward, one more in the backward's recompute,
-    and the same gradients as without recompute."""
+    of memory on an H200). One student call per chunk in the forward, one more in the backward's recompute; the
+    gradient is formed once, in the replay (the first pass's saved tensors are dropped: ``forward_is_replayed_later``),
+    not in the first pass; the same gradients as without recompute."""
     from v4launch.model.parallel.recompute import apply_recompute, modules_from_recipe
 
     gen = fresh_gen()
@@ -181,24 +182,25 @@ def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_p
     recomputed.load_state_dict(plain.state_dict())
     apply_recompute(recomputed, modules_from_recipe("full", []))
     base = dispatch.select_backend("reference", "cpu")
-    calls = [0]
+    calls, with_grad = [0], [0]
 
-    def student(*a):
+    def student(q, w, keys, sel):
         calls[0] += 1
-        return base.student_scores(*a)
+        with_grad[0] += q.requires_grad
+        return base.student_scores(q, w, keys, sel)
 
     monkeypatch.setattr(model_module, "select_backend",
                         lambda name, device: dataclasses.replace(base, name="triton", student_scores=student))
     tokens, cu, labels = _batch(gen, args.vocab_size)
     counts = []
     for model in (plain, recomputed):
-        calls[0] = 0
+        calls[0] = with_grad[0] = 0
         out = model(tokens, cu, 43, labels)
-        in_forward = calls[0]
+        in_forward = calls[0], with_grad[0]
         sum(v for k, v in out.aux_losses.items() if k.startswith("indexer_kl/")).backward()
-        counts.append((in_forward, calls[0] - in_forward))
-    n_chunks = counts[0][0]  # one student call per chunk; each CSA layer has at least one chunk
-    assert n_chunks >= 2 and counts == [(n_chunks, 0), (n_chunks, n_chunks)], counts
+        counts.append((in_forward, (calls[0] - in_forward[0], with_grad[0] - in_forward[1])))
+    n = counts[0][0][0]  # one student call per chunk; each CSA layer has at least one chunk
+    assert n >= 2 and counts == [((n, n), (0, 0)), ((n, 0), (n, n))], counts
     grads = dict(recomputed.named_parameters())
     for name, p in plain.named_parameters():
         if p.grad is not None:
