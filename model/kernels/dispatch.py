@@ -60,6 +60,11 @@ class Backend:
     student_scores: Callable
     logsumexp_target: Callable
     softmax_grad: Callable
+    dense_kl_fused: Callable = lambda q, kv, iq, keys: False
+    """dense_kl_fused(q [T,H,D], kv [N,D], iq [T,HI,dI], keys [C,dI]) -> bool: whether the warm-up KL may run
+    ``head_avg_probs`` and ``student_scores`` with every visible entry as the selection (``layer._DenseKL``): only
+    where both run as kernels, whose memory does not grow with the selection's width; the reference functions
+    gather [rows, entries, D] (``layer._warmup_kl``'s chunked einsums run instead)."""
 
 
 def _triton_problem(device: torch.device) -> Optional[str]:
@@ -113,7 +118,11 @@ def _triton_backend(requested: str) -> Backend:
             return tce.softmax_grad(z, lse, labels, scale, out_dtype)
         return reference.softmax_grad(z, lse, labels, scale, out_dtype)
 
-    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student, lse_target, ce_grad)
+    def dense_kl_fused(q, kv, iq, keys):  # the teacher's and student's kernel conditions above
+        return ta.supported(q, kv) and q.dtype != torch.float32 and ts.supported(iq, keys)
+
+    return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student, lse_target, ce_grad,
+                   dense_kl_fused)
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:

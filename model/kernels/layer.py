@@ -240,9 +240,11 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
             student = backend.student_scores(inp.q, inp.w, inp.keys, sel)
             kl_sum, kl_rows = kl_from_probs(p_t, student, valid)
         else:
-            kl_sum, kl_rows = (_fused_warmup_kl(attn, inp, q, kv_all, kv.shape[0], first, nvis, plan.max_entries,
-                                                backend) if backend.name == "triton" else
-                               _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries))
+            if backend.dense_kl_fused(q, kv_all, inp.q, inp.keys):
+                kl_sum, kl_rows = _fused_warmup_kl(attn, inp, q, kv_all, kv.shape[0], first, nvis, plan.max_entries,
+                                                   backend)
+            else:
+                kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)
     if kl_sum is None:  # no compressed entry for these queries: an explicit zero
         kl_sum = sum(p.sum() for p in attn.indexer.parameters()) * 0.0
     kl_sum = ctx.cp.tie(kl_sum, mems)

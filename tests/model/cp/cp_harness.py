@@ -42,8 +42,10 @@ def run_case(case: dict) -> dict:
 
 def stand_in_fused_backend() -> dispatch.Backend:
     """The reference kernel functions under a fused backend's name: a model or layer given it runs
-    the kernel-path layer code (``kernels.layer.attention_forward``) on the CPU, in float64."""
-    return dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton")
+    the kernel-path layer code (``kernels.layer.attention_forward``) on the CPU, in float64, the warm-up KL
+    included (``layer._DenseKL``)."""
+    return dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton",
+                               dense_kl_fused=lambda *a: True)
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:

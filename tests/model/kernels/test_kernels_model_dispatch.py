@@ -140,7 +140,8 @@ def test_fused_warmup_kl_has_the_reference_value_and_indexer_gradients(monkeypat
         return chunks_seen[-1]
 
     monkeypatch.setattr(layer, "warmup_chunks", small_chunks)
-    monkeypatch.setattr(model_module, "select_backend", lambda name, device: dataclasses.replace(base, name="triton"))
+    fused_backend = dataclasses.replace(base, name="triton", dense_kl_fused=lambda *a: True)
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: fused_backend)
     tokens, cu, labels = _batch(gen, args.vocab_size)
     kl, weights = {}, torch.rand(2, generator=gen, dtype=torch.float64) + 0.5  # one weight per CSA layer's KL
     for name, model in (("ref", ref), ("fused", fused)):
@@ -189,8 +190,8 @@ def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_p
         with_grad[0] += q.requires_grad
         return base.student_scores(q, w, keys, sel)
 
-    monkeypatch.setattr(model_module, "select_backend",
-                        lambda name, device: dataclasses.replace(base, name="triton", student_scores=student))
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: dataclasses.replace(
+        base, name="triton", student_scores=student, dense_kl_fused=lambda *a: True))
     tokens, cu, labels = _batch(gen, args.vocab_size)
     counts = []
     for model in (plain, recomputed):
@@ -205,3 +206,29 @@ def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_p
     for name, p in plain.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_warmup_kl_keeps_the_chunked_path_where_the_kernels_do_not_run(monkeypatch):
+    """A backend whose teacher or student would fall back to the reference functions (which gather [rows, entries,
+    D] per chunk: ~128 GiB for 4,096 rows of a float32 Flash-width warm-up) says so through ``dense_kl_fused``,
+    and the warm-up KL then runs ``layer._warmup_kl``'s bounded chunks, with the same value."""
+    gen = fresh_gen()
+    args = tiny_args(index_topk=3)
+    model = V4Model(args, "warmup", kernel_backend="triton").double()
+    randomize(model, gen)
+    base = dispatch.select_backend("reference", "cpu")
+    assert not base.dense_kl_fused(None, None, None, None)
+    students = []
+    stand_in = dataclasses.replace(base, name="triton",
+                                   student_scores=lambda *a: (students.append(1), base.student_scores(*a))[1])
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: stand_in)
+    tokens, cu, labels = _batch(gen, args.vocab_size)
+    chunked = model(tokens, cu, 43, labels).aux_losses
+    assert not students  # the chunked einsums, not the backend's student
+    fused = dataclasses.replace(stand_in, dense_kl_fused=lambda *a: True)
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: fused)
+    model.set_kernel_backend("triton")  # drops the cached backend
+    out = model(tokens, cu, 43, labels).aux_losses
+    assert students
+    for k in chunked:
+        torch.testing.assert_close(out[k], chunked[k], rtol=1e-10, atol=1e-12, msg=k)

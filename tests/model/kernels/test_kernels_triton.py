@@ -360,6 +360,8 @@ def test_fused_warmup_kl_at_flash_width_matches_float64():
     keys = torch.randn(C, DI, device=DEV).to(torch.bfloat16)
     g = torch.rand((), device=DEV) + 0.5
     backend = select_backend("triton", DEV)
+    assert backend.dense_kl_fused(q, kv_all, iq, keys)  # float32 would fall back to gathering teachers: not fused
+    assert not backend.dense_kl_fused(q.float(), kv_all.float(), iq.float(), keys.float())
     chunks = layer.warmup_chunks(first, nvis, 700)  # three chunks, the second across the segment boundary
     leaves = [x.clone().requires_grad_() for x in (iq, iw, keys)]
     _poison()
