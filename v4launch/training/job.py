@@ -38,9 +38,17 @@ def _stop_on_signals(stop: threading.Event):
         yield
         return
 
+    entered = [False]  # a plain flag: no lock, so a signal arriving inside the handler cannot deadlock on it
+
     def handler(signum, frame):  # noqa: ARG001
         if signum == signal.SIGINT and stop.is_set():
             raise KeyboardInterrupt
+        if entered[0]:  # a second signal during the first one's stop.set(): that call sets it
+            return
+        entered[0] = True
+        # Event.set takes the event's (non-reentrant) lock; a SIGTERM burst (PR_SET_PDEATHSIG is sent again each
+        # time the dead launcher's orphans pass to another of its threads) re-entered here inside it and hung
+        # the worker for good
         stop.set()
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
