@@ -171,7 +171,8 @@ def _fused_warmup_kl(attn, inp, q: torch.Tensor, kv_all: torch.Tensor, n_kv: int
     """Warm-up KL (the same value and indexer gradients as :func:`_warmup_kl`) through the backend's teacher and
     student kernels (:class:`_DenseKL`): q [T, H, D] and kv_all [N, D] the main attention's (detached here), the
     compressed entries at kv_all rows ``n_kv + id``. Row chunks of [rows, entries] <= 2^26 slots (4,096 rows at
-    16K entries), one host read per call (:func:`warmup_chunks`). Returns (KL sum 0-d float32, rows counted)."""
+    16K entries), one host read per call (:func:`warmup_chunks`). Returns (KL sum 0-d in the accumulation dtype,
+    rows counted 0-d int64)."""
     rows_per = max(16, min(q.shape[0], 2 ** 26 // max(1, max_entries)))
     chunks = warmup_chunks(first, nvis, rows_per)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.w, inp.keys))
