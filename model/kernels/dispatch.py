@@ -65,6 +65,20 @@ class Backend:
     ``head_avg_probs`` and ``student_scores`` with every visible entry as the selection (``layer._DenseKL``): only
     where both run as kernels, whose memory does not grow with the selection's width; the reference functions
     gather [rows, entries, D] (``layer._warmup_kl``'s chunked einsums run instead)."""
+    dense_head_avg_probs: Optional[Callable] = None
+    """dense_head_avg_probs(q [T,H,D], kv [N,D], lo [T], n_visible [T], width, scale) -> [T, width] float32, or None:
+    the warm-up KL teacher with query t's selection the kv rows lo[t] .. lo[t] + n_visible[t] - 1 read as a range
+    (Triton: ``triton_dense_teacher``); None: ``head_avg_probs`` over that selection written as a table. Call it
+    through :meth:`visible_head_avg_probs`."""
+
+    def visible_head_avg_probs(self, q: torch.Tensor, kv: torch.Tensor, lo: torch.Tensor, n_visible: torch.Tensor,
+                               width: int, scale: float) -> torch.Tensor:
+        """The KL teacher over every visible entry: q [T, H, D], kv [N, D], query t's entries the kv rows
+        ``lo[t] + j`` for j < ``n_visible[t]`` (<= ``width``) -> [T, width] float32, slot j of row t that entry's
+        head-averaged probability, 0 past ``n_visible[t]``. No gradient."""
+        if self.dense_head_avg_probs is not None:
+            return self.dense_head_avg_probs(q, kv, lo, n_visible, width, scale)
+        return self.head_avg_probs(q, kv, reference.range_selection(lo, n_visible, width), scale)
 
 
 def _triton_problem(device: torch.device) -> Optional[str]:
@@ -85,6 +99,7 @@ def _triton_problem(device: torch.device) -> Optional[str]:
 def _triton_backend(requested: str) -> Backend:
     from . import triton_attention as ta
     from . import triton_cross_entropy as tce
+    from . import triton_dense_teacher as td
     from . import triton_indexer as ti
     from . import triton_student as ts
 
@@ -121,8 +136,13 @@ def _triton_backend(requested: str) -> Backend:
     def dense_kl_fused(q, kv, iq, keys):  # the teacher's and student's kernel conditions above
         return ta.supported(q, kv) and q.dtype != torch.float32 and ts.supported(iq, keys)
 
+    def dense_teacher(q, kv, lo, n_visible, width, scale):
+        if td.supported(q, kv):
+            return td.dense_head_avg_probs(q, kv, lo, n_visible, width, scale)
+        return teacher(q, kv, reference.range_selection(lo, n_visible, width), scale)
+
     return Backend("triton", requested, "SM90 GPU with Triton", attn, topk, teacher, student, lse_target, ce_grad,
-                   dense_kl_fused)
+                   dense_kl_fused, dense_teacher)
 
 
 def _reference_backend(requested: str, reason: str) -> Backend:

@@ -13,8 +13,11 @@
   attention's per-head log-sum-exp over the selection where the backend returns it: one gather less),
   student = ``backend.student_scores``, the indexer scores at the selection (float32 logits,
   recomputed in backward);
-* warm-up KL (teacher over ALL visible entries) is quadratic by definition: it runs the
-  reference math in query chunks with the student checkpointed per chunk.
+* warm-up KL (teacher over ALL visible entries) is quadratic by definition: on a backend whose teacher and
+  student run as kernels (``Backend.dense_kl_fused``) it runs them in row chunks with every visible entry as
+  the selection (:class:`_DenseKL`; the teacher reads each query's entries as a range,
+  ``Backend.visible_head_avg_probs``), elsewhere the reference math in query chunks with the student
+  checkpointed per chunk (:func:`_warmup_kl`).
 
 Context parallelism: the same code on a rank's rows, with the left-boundary rows as extra keys and
 the CP-gathered compressed entries (see ``attention_forward``); the kernels need no change.
@@ -32,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from ..common import acc_dtype, forward_is_replayed_later, linear, on_device_count
 from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
+from . import reference
 from .dispatch import Backend
 
 
@@ -100,9 +104,7 @@ def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tens
 def visible_selection(first: torch.Tensor, nvis: torch.Tensor, r0: int, r1: int, width: int) -> torch.Tensor:
     """Every entry rows r0..r1-1 see, as a selection table [r1 - r0, width] int32 of global entry ids: row r's
     slot j is ``first[r] + j`` for j < ``nvis[r]``, -1 after (``width`` >= the rows' largest ``nvis``)."""
-    j = torch.arange(width, device=first.device)
-    sel = first[r0:r1, None].long() + j[None, :]
-    return torch.where(j[None, :] < nvis[r0:r1, None], sel, -1).to(torch.int32)
+    return reference.range_selection(first[r0:r1], nvis[r0:r1], width)
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
@@ -110,9 +112,10 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 
 
 class _DenseKL(torch.autograd.Function):
-    """The warm-up KL on a kernel backend: the sparse phase's teacher (``head_avg_probs``) and student
-    (``student_scores``) with every visible entry as the selection (:func:`visible_selection`), row chunk by row
-    chunk. Its gradient (in the indexer's q, w and keys only; the teacher is detached, seed 000 §3) is formed in
+    """The warm-up KL on a kernel backend: the teacher over every visible entry
+    (``Backend.visible_head_avg_probs``: each query's entries one contiguous run of ``kv_all`` rows) and the
+    sparse phase's student (``student_scores``) with every visible entry as the selection
+    (:func:`visible_selection`, the same slot order), row chunk by row chunk. Its gradient (in the indexer's q, w and keys only; the teacher is detached, seed 000 §3) is formed in
     the forward, per chunk, as ``d KL / d student = p_s * sum(p_t) - p_t`` through the student's backward, and
     scaled by the incoming gradient in the backward: memory stays O(rows x indexer width) plus one chunk's
     [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries).
@@ -135,7 +138,8 @@ class _DenseKL(torch.autograd.Function):
         for r0, r1, lo, hi in chunks:
             sel = visible_selection(first, nvis, r0, r1, hi - lo)
             valid = sel >= 0
-            p_t = backend.head_avg_probs(q[r0:r1], kv_all, torch.where(valid, sel + n_kv, -1), scale)  # [R, W]
+            p_t = backend.visible_head_avg_probs(q[r0:r1], kv_all, first[r0:r1] + n_kv, nvis[r0:r1], hi - lo,
+                                                 scale)  # [R, W], slot j entry first + j as in sel
             # the student's own graph lives inside this chunk: its saved tensors bypass the enclosing hooks (whole-
             # layer recompute's checkpoint would rerun the layer to unpack them here; host offload would copy them)
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):

@@ -83,6 +83,13 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, idx: Optional[torch
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 
+def range_selection(lo: torch.Tensor, n_visible: torch.Tensor, width: int) -> torch.Tensor:
+    """A selection table [T, width] int32 for per-row ranges: row t's slot j is ``lo[t] + j`` for
+    j < ``n_visible[t]``, -1 after (lo, n_visible [T] integer; ``width`` >= the largest ``n_visible``)."""
+    j = torch.arange(width, device=lo.device)
+    return torch.where(j[None, :] < n_visible[:, None], lo[:, None].long() + j[None, :], -1).to(torch.int32)
+
+
 def head_avg_probs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
     """KL teacher over a selected set: per-head softmax of ``scale * q.kv`` over the valid
     slots of ``idx`` [T, K] (no sink), averaged over heads -> [T, K] float32/64, 0 where

@@ -24,6 +24,7 @@ from v4launch.model.kernels import triton_attention as ta  # noqa: E402
 from v4launch.model.kernels import triton_attention_bwd as tb  # noqa: E402
 from v4launch.model.kernels import triton_attention_query_blocks as tqb  # noqa: E402
 from v4launch.model.kernels import triton_cross_entropy as tce  # noqa: E402
+from v4launch.model.kernels import triton_dense_teacher as td  # noqa: E402
 from v4launch.model.kernels import triton_indexer as ti  # noqa: E402
 from v4launch.model.kernels import triton_sinkhorn as tsk  # noqa: E402
 from v4launch.model.kernels import triton_student as ts  # noqa: E402
@@ -266,6 +267,37 @@ def teacher_and_indexer_cases(seed: int) -> dict:
             "indexer_scores": dict(scores=rel(s[fin], s_t[fin]), masked_differ=0.0 if same_inf else 1.0)}
 
 
+def dense_teacher_case(seed: int) -> dict:
+    """The warm-up teacher over per-row ranges against float64 softmax written here: rows with no visible entry
+    (all slots 0), one seeing the full width, the rest random; 16-entry tiles so pass 1 and pass 2 cross tiles
+    and the zero tail starts mid-width; both forms of pass 2 (entries or heads as the M dimension)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    T, H, D, N, W = 20, 16, 32, 150, 45
+    q, kv = torch.randn(T, H, D, generator=g), torch.randn(N, D, generator=g)
+    n_vis = torch.randint(1, W + 1, (T,), generator=g)
+    n_vis[0], n_vis[1] = 0, W
+    lo = torch.randint(0, N - W, (T,), generator=g)
+    truth = torch.zeros(T, W, dtype=torch.float64)
+    for t in range(T):
+        n = int(n_vis[t])
+        if n:
+            logits = torch.einsum("hd,cd->hc", q[t].double(), kv[lo[t]:lo[t] + n].double()) * D ** -0.5
+            truth[t, :n] = logits.softmax(-1).mean(0)
+    res = {}
+    saved = dict(td.CONFIG)
+    try:
+        for transposed in (True, False):
+            td.CONFIG.update(BN=16, BT=16, TRANSPOSED=transposed)
+            p = td.dense_head_avg_probs(q, kv, lo, n_vis, W, D ** -0.5)
+            past = torch.arange(W)[None, :] >= n_vis[:, None]
+            res[f"probs_{'entries' if transposed else 'heads'}_as_m"] = rel(p, truth)
+            res[f"past_visible_nonzero_{'entries' if transposed else 'heads'}_as_m"] = float(p[past].abs().sum())
+    finally:
+        td.CONFIG.clear()
+        td.CONFIG.update(saved)
+    return {"dense_teacher": res}
+
+
 def student_case(seed: int, HI: int = 16) -> dict:
     """The sparse-phase KL student and its three gradients against a dense float64 formula (every
     entry scored, then read at the selection). K = 70 is two blocks and a partial one; each row
@@ -375,6 +407,8 @@ def opcheck_case(seed: int) -> dict:
         "head_avg_probs": (torch.ops.v4launch.head_avg_probs.default, (q.detach(), kv.detach(), idx, 0.2)),
         "head_avg_probs given selected_lse": (torch.ops.v4launch.head_avg_probs.default,
                                               (q.detach(), kv.detach(), idx, 0.2, sel_lse.detach())),
+        "dense_head_avg_probs": (torch.ops.v4launch.dense_head_avg_probs.default,
+                                 (q.detach(), kv.detach(), first[:T] + 2, n_visible, 12, 0.2)),
         "indexer_topk": (torch.ops.v4launch.indexer_topk.default,
                          (iq.detach(), iw.detach(), keys.detach(), first, n_visible, 4, 12)),
         "student_scores": (torch.ops.v4launch.student_scores.default, (iq, iw, keys, sel)),
@@ -394,5 +428,6 @@ def opcheck_case(seed: int) -> dict:
 if __name__ == "__main__":
     seed = int(sys.argv[1])
     print(json.dumps({**attention_cases(seed), **query_block_cases(seed), **teacher_and_indexer_cases(seed),
+                      **dense_teacher_case(seed),
                       **student_case(seed), **student_case(seed, HI=32),
                       **cross_entropy_case(seed), **sinkhorn_case(seed), **opcheck_case(seed)}))

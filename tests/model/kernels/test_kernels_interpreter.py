@@ -36,7 +36,7 @@ CASES = [f"{kind}/{mode}" for mode in ("idx+ranges", "idx", "ranges")
          for kind in ("single_pass", "two_pass", "two_pass_h16")]
 CASES += [f"query_blocks_h{H}/{kind}" for H in (16, 32) for kind in ("generic", "window")] + ["query_blocks_dispatch"]
 CASES += [f"query_blocks_span_h{H}" for H in (16, 32)]
-CASES += ["teacher", "indexer_scores", "student", "student_h32", "cross_entropy", "sinkhorn", "opcheck"]
+CASES += ["teacher", "dense_teacher", "indexer_scores", "student", "student_h32", "cross_entropy", "sinkhorn", "opcheck"]
 TOL = 1e-5  # float32 kernels against float64 truth; measured 1e-7 .. 5e-7
 
 

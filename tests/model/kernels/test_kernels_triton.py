@@ -258,6 +258,35 @@ def test_teacher_matches_reference():
     assert float(p[3].abs().sum()) == 0.0
 
 
+def test_dense_teacher_at_flash_width_matches_float64():
+    """The warm-up teacher over per-row ranges (``triton_dense_teacher``) at Flash width (64 heads x 512), rows of
+    a causal compress-ratio-4 segment whose counts cross the 64-entry tiles, one row with no entry: against the
+    softmax written out in float64 on the same bf16 inputs (1e-3 relative), every slot past a row's count 0,
+    and equal to the sparse teacher over the same selection as a table (same bf16 products: 1e-4)."""
+    from v4launch.model.kernels import triton_dense_teacher as td
+
+    T, H, D, n_kv, scale = 200, 64, 512, 300, 512 ** -0.5
+    g0 = int(torch.randint(0, 4000, (1,)))
+    nvis = ((torch.arange(g0, g0 + T, device=DEV) + 1) // 4).int()
+    nvis[7] = 0
+    W = int(nvis.max())
+    q = torch.randn(T, H, D, device=DEV).to(torch.bfloat16)
+    kv = torch.randn(n_kv + W + 5, D, device=DEV).to(torch.bfloat16)
+    lo = torch.full((T,), n_kv, dtype=torch.int32, device=DEV) + torch.randint(0, 5, (T,), device=DEV).int()
+    _poison()
+    p = td.dense_head_avg_probs(q, kv, lo, nvis, W, scale)
+    truth = torch.zeros(T, W, dtype=torch.float64, device=DEV)
+    for t in range(T):
+        n = int(nvis[t])
+        if n:
+            logits = torch.einsum("hd,cd->hc", q[t].double(), kv[int(lo[t]):int(lo[t]) + n].double()) * scale
+            truth[t, :n] = logits.softmax(-1).mean(0)
+    assert bool(torch.isfinite(p).all()) and _rel(p, truth) <= 1e-3
+    past = torch.arange(W, device=DEV)[None, :] >= nvis[:, None]
+    assert float(p[past].abs().sum()) == 0.0
+    assert _rel(p, ta.head_avg_probs(q, kv, ref.range_selection(lo, nvis, W), scale)) <= 1e-4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_indexer_scores_and_topk(dtype):
     T, HI, DI = 1500, 64, 128
