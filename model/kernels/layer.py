@@ -121,9 +121,9 @@ class _DenseKL(torch.autograd.Function):
     [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries).
     In the first pass of a recomputed region (whole-layer recompute) the gradient is left to the replay, whose
     saved tensors the backward uses (``common.forward_is_replayed_later``): the first pass saves uninitialised
-    tensors of the same shapes, and the student's backward runs once per step instead of twice (both passes
-    took 1.5 of the 3.8 s of KL work in a 4-layer, 64K-token warm-up step at Flash width before this; the saving
-    is not yet measured: benchmarks/results/flash_width_h200_2026-12-04.md)."""
+    tensors of the same shapes, and the student's backward runs once per step instead of twice (a 4-layer,
+    64K-token warm-up step at Flash width on the H200: 7,734 -> 6,949 ms;
+    benchmarks/results/flash_width_h200_2026-12-04.md)."""
 
     @staticmethod
     def forward(ctx, iq, iw, keys, q, kv_all, first, nvis, chunks, backend, n_kv, scale, need_grad):
