@@ -153,9 +153,10 @@ class QueuedRead:
     On the CPU the values are there at once.
 
     ``ready_at``: ``time.monotonic()`` when the values were known to be on the host: at construction on the CPU
-    (the work that made them ran synchronously); on a GPU when :meth:`poll` first found the event complete or
-    else when :meth:`values` returned from it (upper bounds: the copy may have landed earlier); None before
-    that."""
+    (the work that made them ran synchronously); on a GPU when :meth:`values` returned from the event (an upper
+    bound: the copy may have landed earlier); None before that. On a GPU ``event`` is a timing event: with a
+    :func:`device_mark` recorded before the work, ``mark.elapsed_time(read.event)`` is that work's device time
+    in milliseconds."""
 
     def __init__(self, values: dict[str, torch.Tensor]) -> None:
         self.names = list(values)
@@ -169,18 +170,11 @@ class QueuedRead:
         if stacked.is_cuda:
             self.host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
             self.host.copy_(stacked, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
         else:
             self.host = stacked
             self.ready_at = time.monotonic()
-
-    def poll(self, now: float) -> None:
-        """Without waiting (``cudaEventQuery``): if the values are on the host and ``ready_at`` is unset, it
-        becomes ``now`` (seconds, ``time.monotonic()``). A caller that polls before queueing more work bounds
-        the end of a step the host outran by the moment it looked, instead of by its later read."""
-        if self.ready_at is None and self.event is not None and self.event.query():
-            self.ready_at = now
 
     def values(self) -> dict[str, float]:
         """name -> float; waits for the device work queued before this read was, and for nothing queued after."""
@@ -190,6 +184,17 @@ class QueuedRead:
             self.event.synchronize()
             self.ready_at = time.monotonic()
         return dict(zip(self.names, self.host.tolist()))
+
+
+def device_mark(device: torch.device) -> "torch.cuda.Event | None":
+    """A timing event recorded now on ``device``'s current stream (None on a CPU): its timestamp is when the
+    device reaches it, i.e. once the work queued before it is done, or now if the device is idle. With a later
+    event ``e`` (e.g. ``QueuedRead.event``), ``mark.elapsed_time(e)`` is milliseconds of device time between."""
+    if device.type != "cuda":
+        return None
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
 
 
 def on_device_count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor:

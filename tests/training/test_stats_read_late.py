@@ -178,3 +178,37 @@ def test_a_non_finite_step_stops_the_job_before_anything_is_saved(new_run, monke
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (diverged,) = [e for e in events if e.get("event") == "diverged"]
     assert diverged["step"] == 3 and "lm_loss" in diverged["values"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_that_reads_the_host_inside_is_timed_by_its_device_work(new_run, monkeypatch):
+    """A step that waits for the device inside (the warm-up's dense KL reads its chunk ranges on the host) lets
+    the device finish the previous step and most of this one while the host is still queueing it; timed by host
+    clocks, a stage's last step, read at once, was credited with its tail alone (3 ms, 2.7 million tokens/s for
+    an 8,192-token warm-up step on an H200). Each step here has 2 x ~100 ms of device sleep around a host wait
+    (``torch.cuda._sleep`` before and after a ``synchronize``, ahead of the step's read): every step's time must
+    hold both (host-clock timing gave the steps read at once about one)."""
+    from v4launch.training import step as step_mod
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe = 10 ** 7
+    a.record()
+    torch.cuda._sleep(probe)
+    b.record()
+    b.synchronize()
+    cycles = int(probe * 100.0 / a.elapsed_time(b))  # ~100 ms of device sleep
+    real_read = step_mod.QueuedRead
+
+    def read_after_a_host_wait(values):
+        torch.cuda._sleep(cycles)  # work the host waits for inside the step
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)  # work still running when the host starts the next step
+        return real_read(values)
+
+    monkeypatch.setattr(step_mod, "QueuedRead", read_after_a_host_wait)
+    run_dir = new_run({"cluster": {"gpu": "H200"}, "checkpointing": {"interval_steps": 2, "keep_last": 10}})
+    assert train(run_dir, progress=False).status == "completed"
+    records = train_records(run_dir)
+    assert sorted(records) == list(range(1, 9))
+    short = {s: round(r["step_time_s"], 3) for s, r in records.items() if r["step_time_s"] < 0.19}
+    assert not short, f"steps timed below their 0.2 s of device work: {short}"

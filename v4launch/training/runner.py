@@ -19,6 +19,7 @@ from ..checkpoints.stateful import ModelState, OptimizerState
 from ..data.resume_state import loader_state_for_resume
 from ..errors import ContractViolation, RefusedError, TrainingDiverged, UsageError
 from ..model import V4Model
+from ..model.common import device_mark
 from ..model.compile import toolchain_problem
 from ..model.parallel.parallelize import ParallelDims, ParallelGroups, ParallelModel, parallelize
 from ..validators.derived import boundary_width
@@ -118,7 +119,8 @@ class Runner:
         self.saved_layout: tuple[int, int, int, int] | None = None  # (dp, cp, pp, ep) of the loaded checkpoint
         self.pm: ParallelModel | None = None
         self.captured: CapturedStep | None = None  # compile.cuda_graph: the stage's captured step
-        self._pending: tuple[PendingStats, dict[str, Any], float, bool] | None = None  # the step queued, not read yet
+        # the step queued, not read yet: (stats, record, host start, device start mark or None, shown?)
+        self._pending: tuple[PendingStats, dict[str, Any], float, Any, bool] | None = None
         self._last_read = 0.0  # time.monotonic() when the last step read had ended (QueuedRead.ready_at)
         self.progress = Progress(phase=self.plans[0].phase)
         ckpt = self._checkpoint_to_load(request)
@@ -416,8 +418,7 @@ class Runner:
         weights = loss_weights(self.recipe, self.schedule.decay_started(sched))
         self.profiler.begin(self.progress.step + 1)
         t0 = time.monotonic()
-        if self._pending is not None:  # a step the host outran (it finished while the host was away) ended by now
-            self._pending[0].read.poll(t0)
+        started = device_mark(self.info.device)  # where the device reaches this step's work (GPU; None on a CPU)
         batches = micro_batches(self.batches, plan, self.info.device, self.layout, self.boundary, self.args.vocab_size)
         pending = queue_step(self.model, self.opt, batches, accum=plan.accum, weights=weights,
                              grad_clip=self.recipe.optimizer.grad_clip,
@@ -433,7 +434,7 @@ class Runner:
         interval = self.recipe.logging.interval_steps
         show = p.step % interval == 0 or p.step_in_stage in (1, plan.steps) or p.step == self.first_step + 1
         self.flush_stats()  # the previous step's, now that this one is queued behind it
-        self._pending = (pending, rec, t0, show)
+        self._pending = (pending, rec, t0, started, show)
         self.gc.after_step(p.step)
         if self.profiler.steps is not None and p.step == self.profiler.steps[1]:
             self.flush_stats()  # the profile's last step logged before its table
@@ -445,20 +446,26 @@ class Runner:
     def flush_stats(self) -> None:
         """Read and log the queued step's statistics, if a step is queued (waits for that step on the device).
 
-        ``step_time_s`` runs from the later of the step's start and the previous step's end to this step's end,
-        the end being when its values were on the host (``QueuedRead.ready_at``: at the end of the queued work
-        on a CPU, where it runs synchronously; on a GPU, when the read returned, or the start of the next
-        step's queueing if the step had finished by then, :meth:`_one_step` polls). With steps queued back to
-        back on a GPU, it is the interval between two steps' ends on the device; where the host is slower than
-        the device, the interval between two steps' starts on the host (so a stage's last step, read at once,
-        is not credited with only the device's tail of its work)."""
+        ``step_time_s`` runs from the later of the step's start and the previous step's end to this step's end.
+        On a GPU both ends are device timestamps (:func:`device_mark` recorded when the host began the step,
+        which the device reaches once the work queued before it is done; the read's event after the step's
+        work): with steps queued back to back it is the interval between two steps' ends on the device, where
+        the host is slower, from the host's start of the step. Host clocks could not tell: a step that reads the
+        host inside (the warm-up's dense KL chunk ranges) lets the device finish most of it, and the previous
+        step, while the host is still queueing it, and a stage's last step, read at once, was then credited
+        with its tail alone (3 ms for an 8,192-token warm-up step on an H200, 2.7 million tokens/s). On a CPU,
+        where the work runs synchronously, host clocks: from the later of the step's start and the previous
+        read to its values being there (``QueuedRead.ready_at``)."""
         if self._pending is None:
             return
-        pending, rec, t0, show = self._pending
+        pending, rec, t0, started, show = self._pending
         self._pending = None
         stats = pending.result()
         done = pending.read.ready_at or time.monotonic()
-        dt = done - max(t0, self._last_read)
+        if started is not None and pending.read.event is not None:
+            dt = started.elapsed_time(pending.read.event) / 1000.0
+        else:
+            dt = done - max(t0, self._last_read)
         self._last_read = done
         p = self.progress
         p.tokens, p.elapsed_s = p.tokens + stats.tokens, p.elapsed_s + dt
