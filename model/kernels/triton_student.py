@@ -166,10 +166,18 @@ def _prec(dtype: torch.dtype) -> str:
 
 
 def _operands(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor):
-    """The kernels' operands: q and keys in their common dtype, everything contiguous, sel int32."""
-    dtype = torch.promote_types(q.dtype, keys.dtype)
-    return (q.to(dtype).contiguous(), w.contiguous(), keys.to(dtype).contiguous(),
-            sel.to(torch.int32).contiguous())
+    """The kernels' operands: q and keys as they are (one dtype), everything contiguous, sel int32.
+
+    Raises:
+        ValueError: q and keys of two dtypes. Promoting them (as this did) ran bf16 queries beside float32 keys
+            as float32 ``ieee`` products on the CUDA cores, ~24x slower and silent (a CSA first layer's float32
+            keys, 1.37 s of one Flash-width backward); the caller casts (``Indexer.prepare`` gives the keys the
+            queries' dtype)."""
+    if q.dtype != keys.dtype:
+        raise ValueError(f"KL student kernels: q is {q.dtype} and keys {keys.dtype}; they take one dtype (mixed, "
+                         "the products would run in float32 on the CUDA cores, ~24x slower). Fix: cast the keys to "
+                         "q's dtype, as Indexer.prepare does")
+    return q.contiguous(), w.contiguous(), keys.contiguous(), sel.to(torch.int32).contiguous()
 
 
 @torch.library.custom_op("v4launch::student_scores", mutates_args=())

@@ -114,10 +114,12 @@ class ContextParallelGroup(ContextParallel):
         own = torch.cat(parts, dim=1)  # [C_own, sum(widths)]
         pad = own.new_zeros(plan.capacity - own.shape[0], own.shape[1])  # never visible (phys skips them)
         buf = AllGather.apply(torch.cat((own, pad)), self.comm, what)  # [cp * capacity, sum(widths)]
-        return [EntryMemory(b, plan.phys) for b in buf.split(widths, dim=1)]
+        # the buffer holds the parts' promoted dtype (bf16 indexer keys beside a CSA first layer's float32
+        # compressed KV: float32); each part leaves in its own (mixed, the KL student kernels refuse them)
+        return [EntryMemory(b.to(p.dtype), plan.phys) for b, p in zip(buf.split(widths, dim=1), parts)]
 
     def tie(self, out: torch.Tensor, memories: list[EntryMemory]) -> torch.Tensor:
-        for m in memories[:1]:  # the parts are views of one gathered buffer
+        for m in memories[:1]:  # the parts come from one gathered buffer (views, or copies in their own dtype)
             out = Tie.apply(out, m.buf)
         return out
 

@@ -37,7 +37,25 @@ def spawn(world: int, cases: list[dict], tmp_path) -> list[list[dict]]:
 
 def run_case(case: dict) -> dict:
     """One case on this rank (dispatched by its contents)."""
-    return {"layer": layer_case, "model": model_case, "errors": error_case}[case["kind"]](case)
+    return {"layer": layer_case, "model": model_case, "errors": error_case,
+            "gather_dtypes": gather_dtypes_case}[case["kind"]](case)
+
+
+def gather_dtypes_case(case: dict) -> dict:
+    """The entry all-gather of two parts of two dtypes (a float32 compressed KV beside bf16 indexer keys, as a
+    CSA first layer under autocast has them): the dtype each gathered part comes back in, and whether every
+    rank's rows of each part are its own values (``capacity`` rows per rank, the last one padding)."""
+    from types import SimpleNamespace
+
+    cp = ContextParallelGroup()
+    own, cap = 3, 4
+    gen = torch.Generator().manual_seed(case["seed"] + cp.rank)
+    parts = [torch.randn(own, 5, generator=gen), torch.randn(own, 2, generator=gen).to(torch.bfloat16)]
+    plan = SimpleNamespace(capacity=cap, phys=torch.arange(cp.size * cap))
+    mems = cp.gather(parts, plan, None, "dtypes")
+    mine = slice(cp.rank * cap, cp.rank * cap + own)
+    return dict(dtypes=[str(m.buf.dtype) for m in mems],
+                own_rows=all(bool(torch.equal(m.buf[mine], p)) for m, p in zip(mems, parts)))
 
 
 def stand_in_fused_backend() -> dispatch.Backend:

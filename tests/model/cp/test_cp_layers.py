@@ -36,7 +36,8 @@ def _cases(cp: int) -> list[dict]:
              dict(ratio=128, phase="dense", lengths=[512], seed=11)]
     # the kernel-path layer code (kernels.layer.attention_forward) at CP = world against the CP = 1 reference
     layer += [dict(c, seed=c["seed"] + 40, kernels=True) for c in layer[:6]]
-    return [dict(c, kind="layer") for c in layer] + [dict(kind="errors", local=4, width_window=8)]
+    return ([dict(c, kind="layer") for c in layer] + [dict(kind="gather_dtypes", seed=12)]
+            + [dict(kind="errors", local=4, width_window=8)])
 
 
 CASES = _cases(2)
@@ -129,3 +130,13 @@ def test_clear_errors_for_short_local_rows_and_foreign_batches(tmp_path_factory)
     msgs = _results(2, tmp_path_factory)[0][len(CASES) - 1]
     assert "local rows L=4 < boundary width 8" in msgs["short"] and "Fix:" in msgs["short"]
     assert "cu_seqlens[-1]=100" in msgs["global"] and "cp=2" in msgs["global"] and "Fix:" in msgs["global"]
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_gathered_parts_keep_their_own_dtypes(cp, tmp_path_factory):
+    """One all-gather carries the compressed KV and the indexer keys; the buffer holds their promoted dtype, and
+    each part must come back in its own: bf16 keys returned as float32 beside bf16 queries sent the KL student to
+    float32 products on the CUDA cores (~24x slower; the kernels now refuse two dtypes)."""
+    i = next(j for j, c in enumerate(CASES) if c["kind"] == "gather_dtypes")
+    for rank in _results(cp, tmp_path_factory):
+        assert rank[i]["dtypes"] == ["torch.float32", "torch.bfloat16"] and rank[i]["own_rows"], rank[i]

@@ -69,3 +69,18 @@ def test_two_pass_backward_refuses_an_unknown_pass_name():
     with pytest.raises(ValueError, match="passes=.*'dkv'.*'dq'"):
         tb.attention_bwd(q, q[:, 0], None, None, q, torch.zeros(2, 64), q, 1.0, passes=("dkv", "dQ"))
 
+
+
+def test_student_kernels_refuse_queries_and_keys_of_two_dtypes():
+    """Promoted, bf16 queries beside float32 keys ran the student as float32 products on the CUDA cores (~24x
+    slower, unnoticed for a CSA first layer); now the kernels refuse them and name the fix."""
+    import torch
+
+    from v4launch.model.kernels import triton_student as ts
+
+    q, w = torch.zeros(4, 16, 16, dtype=torch.bfloat16), torch.zeros(4, 16)
+    keys, sel = torch.zeros(8, 16), torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q is torch.bfloat16 and keys torch.float32.*cast the keys"):
+        ts.student_scores(q, w, keys, sel)
+    with pytest.raises(ValueError, match="one dtype"):
+        ts.student_scores_backward(q, w, keys, sel, torch.zeros(4, 2))
