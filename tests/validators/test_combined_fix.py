@@ -96,6 +96,20 @@ def test_a_memory_fix_that_clears_another_rule_is_printed_alone(in_tmp: Path):
     assert not any(e.startswith("cluster.nodes=") for e in fix["edits"]) and "parallel.pp=1" in fix["edits"]
 
 
+def test_a_backend_fix_that_makes_the_memory_fix_needless_is_printed_alone(in_tmp: Path):
+    """flash_4n on cudnn fails V4-KERNEL-AVAILABLE, V4-SM90-DENSE-LOSS and V4-MEMORY (whose search, for the recipe
+    as it stands, moves it to 8 nodes); triton alone fits it on its 4. The combined line was reference + 8 nodes
+    (reference was the kernel fix's first alternative, and the memory fix was never pruned)."""
+    args = ["validate", str(RECIPES / "flash_4n.yaml"), "attention.kernel_backend=cudnn", "--json"]
+    code, out, _, _ = invoke(args)
+    data = json.loads(out)
+    assert code == 1 and {"V4-KERNEL-AVAILABLE", "V4-MEMORY"} <= {v["rule_id"] for v in data["violations"]}
+    fix = data["combined_fix"]
+    assert fix["found"] and fix["edits"] == ["attention.kernel_backend=triton"], fix
+    assert fix["rules"] == ["V4-KERNEL-AVAILABLE"] and "V4-MEMORY then pass" in fix["note"].replace("V4-SM90-DENSE-LOSS, ", "")
+    assert _paste(fix["command"])[0] == 0
+
+
 def test_json_carries_the_combined_fix_and_the_line_pastes(base_file: Path, in_tmp: Path):
     bad = ["parallel.global_batch_size=6", "parallel.pp_layout=Et|t*7mL"]  # V4-BATCH and V4-PP-BALANCE
     code, out, _, _ = invoke(["validate", str(base_file), *bad, "--json"])

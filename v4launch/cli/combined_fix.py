@@ -6,8 +6,8 @@ the first alternative of each rule's fix, pipeline-layout rules first and the me
 one set of edits for the whole curriculum, checked against every stage, so it has the last word on a key they
 share), a later edit of a key replacing an earlier one. It validates the user's overrides plus the merged edits
 in-process and, while rules still fail with fixes, merges those and validates again, for at most ``ROUNDS``
-rounds; a passing merge is then pruned of the fixes it passes without (one more validation per merged rule other
-than the memory rules). The line is offered only when a merged candidate validates (exit 0); otherwise the
+rounds; a passing merge is then pruned of the fixes it passes without (one more validation per merged rule,
+the memory rules' last). The line is offered only when a merged candidate validates (exit 0); otherwise the
 result names the rules still failing. ``validate`` calls it only for a failing report; with fewer than two such
 rules it validates nothing. Pure Python like the rest of ``validate``: no torch.
 """
@@ -110,8 +110,9 @@ def combine(recipe: str, overrides: list[str], report: Report, rounds: int = ROU
     """Merge the failing rules' fixes into one ``v4launch validate`` line that passes, if one is found.
 
     Round by round, the fixes of the rules failing the last candidate are merged in and the candidate validated;
-    once one passes, each merged fix but the memory rules' is left out in turn, and kept out when the candidate
-    still passes (a memory fix that reshapes the job often clears a layout or world-size failure too).
+    once one passes, each merged fix is left out in turn, the memory rules' last, and kept out when the candidate
+    still passes (a memory fix that reshapes the job often clears a layout or world-size failure too; a backend
+    fix can make the memory fix needless).
 
     Args:
         recipe: the recipe path as the user gave it (relative to the working directory).
@@ -165,12 +166,15 @@ def _validate(recipe: str, overrides: list[str], edits: list[str]) -> Report | s
 
 def _pruned(recipe: str, overrides: list[str], parts: list[tuple[str, list[str]]], report: Report,
             done: int) -> CombinedFix:
-    """The passing merge ``parts`` less each non-memory rule's fix the candidate passes without (``report``: the
-    passing candidate's; ``done``: candidates validated so far)."""
+    """The passing merge ``parts`` less each rule's fix the candidate passes without, in merge order (``report``:
+    the passing candidate's; ``done``: candidates validated so far). The memory rules come last: their fix was
+    searched for the recipe before the other fixes, and another fix may make it needless (a cudnn recipe's
+    memory plan is the reference path's; ``kernel_backend=triton`` alone fits flash_4n on its 4 nodes, where the
+    memory fix had moved it to 8)."""
     dropped: list[str] = []
     for rule in _rules(parts):
         trial = [p for p in parts if p[0] != rule]
-        if rule in _LAST or not trial or set(_merged(trial)) == set(_merged(parts)):  # memory, last, or shared
+        if not trial or set(_merged(trial)) == set(_merged(parts)):  # the last fix left, or edits another sets
             continue
         done += 1
         after = _validate(recipe, overrides, _merged(trial))

@@ -212,9 +212,11 @@ def check_kernel_available(ctx: Context):
 
 
 def _available_fix(ctx: Context) -> str:
-    """V4-KERNEL-AVAILABLE's fix: reference, or triton on SM90 (warm-up stages included: V4-SM90-DENSE-LOSS
-    refuses only the cudnn dense-loss path)."""
-    first = f"set {ctx.backend_field}=reference"
+    """V4-KERNEL-AVAILABLE's fix: on SM90 triton first (the fused kernels, warm-up stages included:
+    V4-SM90-DENSE-LOSS refuses only the cudnn dense-loss path), then reference; elsewhere reference. The first
+    alternative is the one ``validate``'s combined fix merges: with reference first, flash_4n on cudnn was
+    offered reference plus 8 nodes where triton alone passes on its 4."""
+    reference = f"{ctx.backend_field}=reference"
     if ctx.sm != 90:
-        return first + " (the triton kernels run on SM90 only: V4-KERNEL-TRITON-SM90)"
-    return f"{first}, or {ctx.backend_field}=triton (the fused kernels on SM90)"
+        return f"set {reference} (the triton kernels run on SM90 only: V4-KERNEL-TRITON-SM90)"
+    return f"set {ctx.backend_field}=triton (the fused kernels on SM90), or {reference} (plain PyTorch, slower)"
