@@ -57,6 +57,8 @@ class BatchContext:
     [R, k, D], logits and probabilities [R, H, window + k] in backward, one chunk at a time:
     activation memory O(T * H * D) instead of O(T * (H + D) * (window + k)) (CSA at 64K
     tokens, V4-Flash shape: about 45 GB less). Costs one more chunk forward in backward.
+    ``static``: the tables have static shapes (``V4Model.batch_context(static_seqlen=...)``, a step a CUDA graph
+    replays): the kernel path's warm-up KL then reads nothing on the host (``kernels.layer.static_chunks``).
     """
 
     pack: Pack
@@ -67,6 +69,7 @@ class BatchContext:
     shard: Optional[Shard] = None
     kernels: Optional["Backend"] = None  # fused attention kernels; None = the reference code below
     recompute: bool = True
+    static: bool = False
     _plans: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 

@@ -330,7 +330,7 @@ class V4Model(FP32Pinned):
             block.attn.rope.inv_freq_on(tokens.device)
         ctx = BatchContext(shard.pack, self.args.window_size, "visible" if self.phase == "warmup" else "selected",
                            self.chunk_size, self.cp, shard, kernels=self._kernels(tokens.device),
-                           recompute=self.recompute)
+                           recompute=self.recompute, static=static_seqlen is not None)
         # The compress plans here, outside any compiled region: built inside a compiled block, their entry count
         # (a sum over the pack's host boundaries) guarded the block's graph on the number of documents, and every
         # new count recompiled it (a product batch packs a different number of documents each step).

@@ -69,6 +69,17 @@ def warmup_chunks(first: torch.Tensor, nvis: torch.Tensor, rows_per: int) -> lis
             if hi > lo]
 
 
+def static_chunks(T: int, rows_per: int, width: int) -> list[tuple[int, int, int, int]]:
+    """The warm-up KL's query chunks of a static batch (``BatchContext.static``: a step a CUDA graph replays),
+    from host ints alone: (r0, r1, 0, width) per ``rows_per`` rows, ``width`` the plan's bound on any query's
+    visible entries. Unlike :func:`warmup_chunks` nothing is read from the device (a capture forbids it), so no
+    chunk is trimmed to its rows' entries or skipped: the student scores ``width`` slots per row (masked past
+    each row's count); the teacher reads each row's own range. The job still runs warm-up stages eagerly (rule
+    V4-CUDA-GRAPH, ``validators/derived.graph_free_reason``) until a GPU run of the warm-up cases of
+    tests/training/test_cuda_graph_step.py shows the capture."""
+    return [(r0, min(T, r0 + rows_per), 0, width) for r0 in range(0, T, rows_per)] if width else []
+
+
 @torch.compiler.disable  # host-side chunk bounds: dynamo would break the graph at the read and specialise on them
 def _warmup_kl(attn, inp, q: torch.Tensor, comp: torch.Tensor, first: torch.Tensor, nvis: torch.Tensor,
                max_entries: int) -> tuple[Optional[torch.Tensor], torch.Tensor | int]:
@@ -171,14 +182,17 @@ class _DenseKL(torch.autograd.Function):
 
 @torch.compiler.disable  # host-side chunk bounds, as _warmup_kl
 def _fused_warmup_kl(attn, inp, q: torch.Tensor, kv_all: torch.Tensor, n_kv: int, first: torch.Tensor,
-                     nvis: torch.Tensor, max_entries: int, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+                     nvis: torch.Tensor, max_entries: int, backend: Backend,
+                     static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Warm-up KL (the same value and indexer gradients as :func:`_warmup_kl`) through the backend's teacher and
     student kernels (:class:`_DenseKL`): q [T, H, D] and kv_all [N, D] the main attention's (detached here), the
     compressed entries at kv_all rows ``n_kv + id``. Row chunks of [rows, entries] <= 2^26 slots (4,096 rows at
-    16K entries), one host read per call (:func:`warmup_chunks`). Returns (KL sum 0-d in the accumulation dtype,
-    rows counted 0-d int64)."""
+    16K entries): one host read per call (:func:`warmup_chunks`), or none for a static batch
+    (:func:`static_chunks`; ``static``: ``BatchContext.static``, a step a CUDA graph captures). Returns (KL sum 0-d
+    in the accumulation dtype, rows counted 0-d int64)."""
     rows_per = max(16, min(q.shape[0], 2 ** 26 // max(1, max_entries)))
-    chunks = warmup_chunks(first, nvis, rows_per)
+    chunks = (static_chunks(q.shape[0], rows_per, max_entries) if static
+              else warmup_chunks(first, nvis, rows_per))
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (inp.q, inp.w, inp.keys))
     return _DenseKL.apply(inp.q, inp.w, inp.keys, q.detach(), kv_all.detach(), first, nvis, chunks, backend, n_kv,
                           attn.softmax_scale, need_grad)
@@ -248,7 +262,7 @@ def attention_forward(attn, x: torch.Tensor, ctx, backend: Backend) -> tuple[tor
         else:
             if backend.dense_kl_fused(q, kv_all, inp.q, inp.keys):
                 kl_sum, kl_rows = _fused_warmup_kl(attn, inp, q, kv_all, kv.shape[0], first, nvis, plan.max_entries,
-                                                   backend)
+                                                   backend, static=ctx.static)
             else:
                 kl_sum, kl_rows = _warmup_kl(attn, inp, q.detach(), comp.detach(), first, nvis, plan.max_entries)
     if kl_sum is None:  # no compressed entry for these queries: an explicit zero

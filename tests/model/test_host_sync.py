@@ -135,3 +135,27 @@ def test_the_warmup_kl_reads_its_chunk_ranges_once_per_layer(gen, monkeypatch):
     indexed = sum(1 for m in model.modules() if getattr(m, "indexer", None) is not None)  # CSA layers
     layer = {k: v for k, v in seen.items() if k.startswith("layer.py")}
     assert indexed >= 1 and layer == {"layer.py:warmup_chunks": indexed}, (indexed, dict(seen))
+
+
+def test_a_static_batch_warmup_kl_reads_nothing_on_the_host(gen, monkeypatch):
+    """A static batch (``batch_context(static_seqlen=...)``, the step a CUDA graph captures) in the warm-up phase,
+    the KL through ``layer._DenseKL`` (the stand-in backend says its kernels fuse it): its chunks come from host
+    ints (``static_chunks``), so the layer file reads nothing; packing's own reads are those of building the
+    context, outside the captured step."""
+    import dataclasses
+
+    from v4launch.model import model as model_module
+    from v4launch.model.kernels import dispatch
+
+    stand_in = dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton",
+                                   dense_kl_fused=lambda *a: True)
+    monkeypatch.setattr(model_module, "select_backend", lambda name, device: stand_in)
+    model = build(tiny_args(), "warmup", gen, dtype=torch.float32, kernel_backend="triton")
+    tokens, cu, max_seqlen, labels = packed_batch([37, 20, 9, 30], model.args.vocab_size, gen)
+    ctx = model.batch_context(tokens, cu, max_seqlen, labels, static_seqlen=48)
+    seen: collections.Counter = collections.Counter()
+    with _Methods(seen), _Reads(seen):
+        out = model.forward_in(ctx, tokens, labels)
+        (out.lm_loss + sum(out.aux_losses.values())).backward()
+    assert "indexer_kl" in {k.split("/")[0] for k in out.aux_losses}, out.aux_losses.keys()
+    assert not any(k.startswith("layer.py") for k in seen), dict(seen)

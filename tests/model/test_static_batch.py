@@ -45,21 +45,24 @@ def _losses_and_grads(model, tokens, labels, ctx) -> dict[str, torch.Tensor]:
     return got
 
 
-def _stand_in_triton(monkeypatch):
+def _stand_in_triton(monkeypatch, dense_kl_fused: bool = False):
+    """The reference functions under the triton name; ``dense_kl_fused``: the warm-up KL through
+    ``layer._DenseKL`` (on a static batch: ``layer.static_chunks``, no host read)."""
     from v4launch.model import model as model_module
     from v4launch.model.kernels import dispatch
 
-    stand_in = dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton")
+    stand_in = dataclasses.replace(dispatch.select_backend("reference", "cpu"), name="triton",
+                                   dense_kl_fused=lambda *a: dense_kl_fused)
     monkeypatch.setattr(model_module, "select_backend", lambda name, device: stand_in)
 
 
-@pytest.mark.parametrize("backend", ["reference", "fused-layer"])
-@pytest.mark.parametrize("phase", ["dense", "warmup", "sparse"])
+@pytest.mark.parametrize("backend,phase", [(b, p) for b in ("reference", "fused-layer")
+                                           for p in ("dense", "warmup", "sparse")] + [("fused-kl", "warmup")])
 def test_static_tables_give_the_exact_losses_and_gradients(phase, backend, monkeypatch):
     gen = fresh_gen()
-    if backend == "fused-layer":
-        _stand_in_triton(monkeypatch)
-    kw = {"kernel_backend": "triton"} if backend == "fused-layer" else {}
+    if backend != "reference":
+        _stand_in_triton(monkeypatch, dense_kl_fused=backend == "fused-kl")
+    kw = {"kernel_backend": "triton"} if backend != "reference" else {}
     model = build(tiny_args(index_topk=TOPK), phase, gen, **kw)
     lengths = _random_lengths(gen)
     tokens, cu, max_seqlen, labels = packed_batch(lengths, model.args.vocab_size, gen)

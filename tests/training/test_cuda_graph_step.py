@@ -46,11 +46,14 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("phase,compiled,accum", [("dense", False, 2), ("dense", False, 1), ("sparse", False, 2),
-                                                   ("sparse", True, 1)])
+                                                   ("sparse", True, 1), ("warmup", False, 1), ("warmup", True, 2)])
 def test_replays_equal_the_eager_step(phase, compiled, accum):
     """float32 parameters under bf16 autocast (the job's precision; the float32 experts read their row counts on
     the host, rule V4-CUDA-GRAPH refuses them); ``compiled``: the blocks under torch.compile, captured with
-    them (a block compiled again inside the capture fails it: the warm-up must have met every guard)."""
+    them (a block compiled again inside the capture fails it: the warm-up must have met every guard). ``warmup``:
+    the dense KL through the Triton teacher and student on the static tables' row chunks (``layer.static_chunks``,
+    no host read) — the capture the job does not make yet: rule V4-CUDA-GRAPH keeps warm-up stages eager until
+    these cases have passed on a GPU (added 2026-12-04 without a device to run them)."""
     gen = fresh_gen()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     # 16 heads of 32 and indexer heads of 32: shapes the Triton kernels take (others fall back to the reference);
