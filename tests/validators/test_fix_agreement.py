@@ -171,3 +171,31 @@ def test_ep_experts_and_ep_fold_print_one_memory_checked_fix(recipe: str, bad: l
     assert len(fixes) == 1, fixes
     (edits,) = _alternatives(fixes.pop())
     assert validate_file(path, [*bad, *edits]).ok, edits
+
+
+def test_an_ep_that_splits_nothing_evenly_is_fixed_by_an_ep_alone_where_one_fits():
+    """ep=7 on flash_4n: 4, the largest ep below that divides the experts and dp·cp, does not fit; the fix was the
+    whole-recipe search's ep=32 plus four stages' cp. The smallest larger ep that fits alone (32) is the fix now,
+    and pasted it passes."""
+    report = validate_file(RECIPES / "flash_4n.yaml", ["parallel.ep=7"])
+    fixes = {v.fix for v in report.violations if v.rule_id in ("V4-EP-FOLD", "V4-EP-EXPERTS")}
+    assert len(fixes) == 1
+    (fix,) = fixes
+    assert _alternatives(fix) == [["parallel.ep=32"]] and "4, the largest below, does not fit" in fix
+    assert validate_file(RECIPES / "flash_4n.yaml", ["parallel.ep=7", "parallel.ep=32"]).ok
+
+
+def test_a_memory_fix_names_the_failures_it_leaves_to_their_own_fixes():
+    """flash_4n on cudnn: the memory fix is searched around the recipe's own failures (V4-KERNEL-AVAILABLE,
+    V4-SM90-DENSE-LOSS) and said "no other rule fails"; pasted, those still failed. It now names them, and they
+    are exactly what the pasted line fails; without a standing failure it still says "no other rule fails"."""
+    bad = ["attention.kernel_backend=cudnn"]
+    report = validate_file(RECIPES / "flash_4n.yaml", bad)
+    (fix,) = {v.fix for v in report.violations if v.rule_id == "V4-MEMORY"}
+    assert "no other rule fails" not in fix and "still fail: their own fixes" in fix
+    edits = _alternatives(fix)[0]
+    after = validate_file(RECIPES / "flash_4n.yaml", [*bad, *edits])
+    left = sorted({v.rule_id for v in after.violations})
+    assert left == ["V4-KERNEL-AVAILABLE", "V4-SM90-DENSE-LOSS"] and all(rule in fix for rule in left)
+    clean = validate_file(RECIPES / "flash_8n.yaml", ["cluster.nodes=4"])
+    assert all(v.fix.endswith("and no other rule fails)") for v in clean.violations if v.rule_id == "V4-EP-FOLD")

@@ -66,6 +66,19 @@ def contract_beyond(original: Recipe) -> Callable[[Recipe], list[str]]:
     return contract
 
 
+def no_other_failure(candidate: Recipe) -> str:
+    """How a fix found under :func:`contract_beyond` words what else its ``candidate`` (the recipe with the fix's
+    edits) passes: "and no other rule fails", or, where failures the recipe already had remain (the search leaves
+    those alone), which rules: a memory fix of a cudnn recipe said "no other rule fails" and, pasted, still
+    failed V4-KERNEL-AVAILABLE. One more validation of the candidate (no memory rule)."""
+    left = contract_failures(candidate)
+    if not left:
+        return "and no other rule fails"
+    one = len(left) == 1
+    return (f"and no rule fails that the recipe did not fail already ({', '.join(left)} still fail{'s' * one}: "
+            f"{'its' if one else 'their'} own fix{'es' * (not one)})")
+
+
 def _failures(recipe: Recipe, skip: tuple[str, ...], known: frozenset[Failure], first_only: bool) -> list[Failure]:
     """The failing checks of ``recipe`` not in ``known``; with ``first_only`` at most one per rule."""
     contexts = {"recipe": [Context(recipe)],

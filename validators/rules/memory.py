@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ..memory_fixes import fit_proposals
+from ..memory_fixes import fit_proposals, with_edits
 from ..memory_fixes_whole import forcing_stage, whole_recipe_fit
 from ..memory_plan import GIB, HEADROOM_FIXED_BYTES, PlanUnavailable, budget_bytes, memory_plan
 from .base import Context, rule
-from .contract import contract_beyond
+from .contract import contract_beyond, no_other_failure
 
 
 def _gib(n: int) -> str:
@@ -63,7 +63,7 @@ def _fix_text(ctx: Context, budget: int) -> str:
     nodes = whole.edits.get("cluster.nodes", ctx.recipe.cluster.nodes)
     grows = any("global_batch_size" in k for k in whole.edits)
     return (f"set {whole.edits_text()} (every stage then fits, at most {_gib(whole.plan.total_bytes)} in stage "
-            f"{whole.plan.stage_name}, and no other rule fails)"
+            f"{whole.plan.stage_name}, {no_other_failure(with_edits(ctx.recipe, whole.edits))})"
             + (f"; nothing fits on the recipe's {ctx.recipe.cluster.nodes} node(s), {nodes} is the fewest"
                + _forcing(ctx.recipe) if nodes != ctx.recipe.cluster.nodes else "")
             + ("; the larger global batches keep every stage's batch divisible over the new dp, so tokens "

@@ -8,7 +8,7 @@ from ..memory_fixes import divisors, with_edits
 from ..memory_fixes_whole import whole_recipe_fit
 from ..memory_plan import PlanUnavailable, memory_plan
 from .base import Context, micro_batches, rule
-from .contract import contract_beyond, searching
+from .contract import contract_beyond, no_other_failure, searching
 
 
 @rule("V4-WORLD-SIZE", fields=("cluster.nodes", "cluster.gpus_per_node", "parallel.tp", "parallel.pp", "parallel.cp",
@@ -80,33 +80,50 @@ def ep_fix(recipe) -> str:
     """The one fix V4-EP-EXPERTS and V4-EP-FOLD print for an ep that splits the routed experts or dp·cp unevenly:
     ``set parallel.ep=E``, E the largest ep up to the recipe's that divides both the experts and dp·cp = world /
     (tp·pp) (the same in every stage; the experts alone when tp·pp does not divide the world), when E also fits
-    the memory plan; else the memory rule's whole-recipe fix (:func:`_memory_whole_fix`). While a fix search checks
-    a candidate (``searching()``), the plain ``set parallel.ep=E``, so the search never nests."""
+    the memory plan; else the smallest such ep above the recipe's that fits with nothing else changed (ep=7 on
+    flash_4n: 32, its own value, where the whole-recipe search had also moved four stages' cp); else the memory
+    rule's whole-recipe fix (:func:`_memory_whole_fix`). While a fix search checks a candidate (``searching()``),
+    the plain ``set parallel.ep=E``, so the search never nests."""
     p, experts = recipe.parallel, recipe.model.moe.n_routed_experts
     world = recipe.cluster.world_size
     fold = world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else experts
-    best = max(d for d in divisors(gcd(fold, experts)) if d <= p.ep)  # 1 always divides both
+    options = divisors(gcd(fold, experts))  # 1 always divides both
+    best = max(d for d in options if d <= p.ep)
     plain = (f"set parallel.ep={best} (the largest ep up to {p.ep} that divides the {experts} routed experts and "
              f"dp·cp = {fold}, the same in every stage)")
-    return plain if searching() else _memory_whole_fix(recipe, best, plain)
+    if searching():
+        return plain
+    above = sorted(d for d in options if d > p.ep)
+    return _memory_whole_fix(recipe, best, plain, above, f"{experts} routed experts and dp·cp = {fold}")
 
 
-def _memory_whole_fix(recipe, ep: int, plain: str) -> str:
-    """``plain`` (set ep) when ``parallel.ep=ep`` also fits the memory plan or nothing is planned (a CPU target,
-    a plan that cannot be made). When it folds but does not fit (V4-MEMORY would send the user to another
-    layout): the memory rule's whole-recipe fix, or ``plain`` saying that no layout fits."""
+def _fits(recipe, ep: int) -> bool | None:
+    """Every stage's memory plan fits with ``parallel.ep=ep`` (None: nothing is planned, a CPU target or a plan
+    that cannot be made)."""
     edited = with_edits(recipe, {"parallel.ep": ep})
     try:
-        if all(memory_plan(edited, i).fits is not False for i in range(len(recipe.curriculum.stages))):
-            return plain
+        return all(memory_plan(edited, i).fits is not False for i in range(len(recipe.curriculum.stages)))
     except (PlanUnavailable, ValueError, ZeroDivisionError):
+        return None
+
+
+def _memory_whole_fix(recipe, ep: int, plain: str, above: list[int] = (), divides: str = "") -> str:
+    """``plain`` (set ep) when ``parallel.ep=ep`` also fits the memory plan or nothing is planned (a CPU target,
+    a plan that cannot be made); else the first ep of ``above`` (ascending, each dividing ``divides``) that fits
+    alone; else, when ep folds but does not fit (V4-MEMORY would send the user to another layout), the memory
+    rule's whole-recipe fix, or ``plain`` saying that no layout fits."""
+    if _fits(recipe, ep) is not False:
         return plain
+    for larger in above:
+        if _fits(recipe, larger):
+            return (f"set parallel.ep={larger} (the smallest ep above {recipe.parallel.ep} that divides the {divides} "
+                    f"and fits the memory plan; {ep}, the largest below, does not fit: V4-MEMORY)")
     whole = whole_recipe_fit(recipe, contract_beyond(recipe))
     if whole is None:
         return plain + "; but then the memory plan does not fit, nor does any layout the search tries (V4-MEMORY)"
     return (f"set {whole.edits_text()} (an ep of {ep} alone would fold over dp·cp but not fit the memory plan "
             f"(V4-MEMORY); with these edits every stage fits, at most {whole.plan.total_bytes / 2**30:.1f} GiB, "
-            "and no other rule fails)")
+            f"{no_other_failure(with_edits(recipe, whole.edits))})")
 
 
 @rule("V4-BATCH", fields=("parallel.global_batch_size", "curriculum.stages.*.global_batch_size", "parallel.micro_batch_size",
