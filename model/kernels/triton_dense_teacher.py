@@ -28,8 +28,9 @@ LOG2E = 1.4426950408889634
 
 CONFIG = dict(BN=64, BT=64, TRANSPOSED=True, LONGEST_FIRST=True, num_warps=4, num_stages=2)
 """Tile sizes and launch settings for bf16 / fp16. On the H200 at Flash width (benchmarks/teacher_kernel.py,
-4,096 rows of a 64K-token segment, 2026-12-04): 13.5 ms for the middle chunk (345 TFLOP/s) where the sparse
-teacher over a table took 33.2 ms (141); 8 warps 16.5 ms, heads as pass 2's M dimension 17.3 ms (8 warps)."""
+4,096 rows of a 64K-token segment, 2026-12-04; benchmarks/results/teacher_kernel_h200_2026-12-04.json): 13.14 ms
+for the middle chunk (355 TFLOP/s) where the sparse teacher over a table took 33.22 ms (141); 8 warps 16.37 ms,
+1 stage 17.28 ms, heads as pass 2's M dimension 14.49 ms."""
 
 
 @triton.jit
@@ -118,5 +119,7 @@ def dense_head_avg_probs(q: torch.Tensor, kv: torch.Tensor, lo: torch.Tensor, n_
     no gradient: slot j of row t is the softmax over those entries of ``scale * q[t, h] . kv[lo[t] + j]``,
     averaged over the H heads, for j < n_visible[t], and 0 after. Equals
     ``reference.head_avg_probs(q, kv, idx, scale)`` with ``idx[t, j] = lo[t] + j`` (-1 past ``n_visible[t]``).
-    A custom operator (``torch.ops.v4launch.dense_head_avg_probs``)."""
+    A custom operator (``torch.ops.v4launch.dense_head_avg_probs``). Raises nothing itself: the caller keeps
+    ``lo[t] + n_visible[t] <= N`` (``layer._DenseKL`` passes each query's visible entries, inside ``kv``); use
+    :func:`supported` to choose it."""
     return _dense_teacher_op(q.detach(), kv.detach(), lo, n_visible, int(width), float(scale))

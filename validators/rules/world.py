@@ -93,7 +93,7 @@ def ep_fix(recipe) -> str:
              f"dp·cp = {fold}, the same in every stage)")
     if searching():
         return plain
-    above = sorted(d for d in options if d > p.ep)
+    above = tuple(sorted(d for d in options if d > p.ep))
     return _memory_whole_fix(recipe, best, plain, above, f"{experts} routed experts and dp·cp = {fold}")
 
 
@@ -107,7 +107,7 @@ def _fits(recipe, ep: int) -> bool | None:
         return None
 
 
-def _memory_whole_fix(recipe, ep: int, plain: str, above: list[int] = (), divides: str = "") -> str:
+def _memory_whole_fix(recipe, ep: int, plain: str, above: tuple[int, ...] = (), divides: str = "") -> str:
     """``plain`` (set ep) when ``parallel.ep=ep`` also fits the memory plan or nothing is planned (a CPU target,
     a plan that cannot be made); else the first ep of ``above`` (ascending, each dividing ``divides``) that fits
     alone; else, when ep folds but does not fit (V4-MEMORY would send the user to another layout), the memory
