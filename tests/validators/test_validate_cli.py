@@ -317,3 +317,14 @@ def test_checkpoint_import_of_a_missing_directory_is_a_usage_error_said_first(in
     any line about which recipe would have been used."""
     code, out, err, _ = invoke(["checkpoint", "import", str(in_tmp / "nope")])
     assert code == 2 and "no such directory" in err and "recipe" not in out + err.split("hint:")[0]
+
+
+def test_the_time_plan_of_a_failing_recipe_says_it_prices_the_recipe_as_given(in_tmp):
+    """`parallel.ep=7` on flash_4n fails the EP rules, and the time plan was printed for ep=7 with nothing saying
+    the layout is invalid; its note now names the failing rules. A passing recipe's note does not."""
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "parallel.ep=7"])
+    assert exc is None and code == 1
+    note = " ".join(out.split("time plan", 1)[1].split())
+    assert "the recipe fails V4-EP-EXPERTS, V4-EP-FOLD" in note and "as given, not as a fix would make it" in note
+    code, out, _, _ = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    assert code == 0 and "as given, not as a fix" not in out
