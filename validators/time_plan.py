@@ -302,6 +302,9 @@ class TimePlan:
     intra_node_gb_per_s: float
     inter_node_gb_per_s: float
     segment_s: float
+    off_triton: tuple[str, ...] = ()
+    """Stages whose attention runs a kernel backend other than triton: priced at the calibrations, which are the
+    Triton kernels' (no other backend is measured; the reference path is slower, its warm-up much slower)."""
 
     @property
     def wall_s(self) -> float:
@@ -324,7 +327,8 @@ class TimePlan:
                                                   "measured": CALIBRATIONS[k].name, "source": CALIBRATIONS[k].source}
                                                  for k in used],
                                 "intra_node_gb_per_s": self.intra_node_gb_per_s,
-                                "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s}}
+                                "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s,
+                                "priced_as_triton": list(self.off_triton)}}
 
 
 def time_plan(recipe: Recipe) -> TimePlan | None:
@@ -333,4 +337,7 @@ def time_plan(recipe: Recipe) -> TimePlan | None:
     if any(s is None for s in stages):
         return None
     intra, inter = link_gb_s(recipe)
-    return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu], intra, inter, segment_seconds(recipe))
+    off_triton = tuple(st.name for st in recipe.curriculum.stages
+                       if (st.kernel_backend or recipe.attention.kernel_backend) != "triton")
+    return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu],
+                    intra, inter, segment_seconds(recipe), off_triton)

@@ -234,3 +234,14 @@ def test_validate_prints_the_time_plan_and_json_holds_it(in_tmp):
     assert len(plan["stages"]) == 6 and plan["total"]["gpu_hours"] > 0
     assert plan["assumptions"]["gpu"] == "H200" and plan["assumptions"]["inter_node_gb_per_s"] == 50.0
     assert js["stages"][0]["derived"]["time"]["steps"] == plan["stages"][0]["steps"]
+
+
+def test_stages_off_triton_are_said_to_be_priced_at_the_triton_kernels(in_tmp):
+    """Every calibration is the Triton kernels' (no other backend is measured): a stage on reference is priced as
+    if it ran them, and the plan says which stages that is (JSON ``assumptions.priced_as_triton``, the CLI note)."""
+    shipped = time_plan(load_recipe(RECIPES / "flash_4n.yaml").recipe)
+    assert shipped.to_dict()["assumptions"]["priced_as_triton"] == []
+    one = time_plan(load_recipe(RECIPES / "flash_4n.yaml", ["curriculum.stages.1.kernel_backend=reference"]).recipe)
+    assert one.to_dict()["assumptions"]["priced_as_triton"] == ["warmup_64k"]
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "curriculum.stages.1.kernel_backend=reference"])
+    assert exc is None and "stage(s) warmup_64k run another kernel backend than triton" in " ".join(out.split())

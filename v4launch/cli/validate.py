@@ -261,6 +261,9 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
     note = (f"{a['world']} x {a['gpu']} at {rates} of {a['peak_tflops']:.0f} TFLOPS (measured on H200); links {a['intra_node_gb_per_s']:.0f} GB/s in a node, "
             f"{a['inter_node_gb_per_s']:.0f} GB/s between nodes; segments of {a['segment_s'] / 60:.0f} min of "
             "training; no overlap of communication with compute, no restarts (docs/time-plan.md)")
+    if a.get("priced_as_triton"):
+        note += (f"; stage(s) {', '.join(a['priced_as_triton'])} run another kernel backend than triton and are priced "
+                 "at the Triton kernels' measured throughput: slower in practice (reference much slower, not measured)")
     if report.violations:  # e.g. an ep that folds over nothing: the figures are still computed, for that layout
         rules = sorted({v.rule_id for v in report.violations})
         note += (f"; the recipe fails {', '.join(rules)}: these figures are for it as given, not as a fix would "
