@@ -302,7 +302,7 @@ class TimePlan:
     intra_node_gb_per_s: float
     inter_node_gb_per_s: float
     segment_s: float
-    off_triton: tuple[str, ...] = ()
+    priced_as_triton: tuple[str, ...] = ()
     """Stages whose attention runs a kernel backend other than triton: priced at the calibrations, which are the
     Triton kernels' (no other backend is measured; the reference path is slower, its warm-up much slower)."""
 
@@ -328,7 +328,7 @@ class TimePlan:
                                                  for k in used],
                                 "intra_node_gb_per_s": self.intra_node_gb_per_s,
                                 "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s,
-                                "priced_as_triton": list(self.off_triton)}}
+                                "priced_as_triton": list(self.priced_as_triton)}}
 
 
 def time_plan(recipe: Recipe) -> TimePlan | None:
@@ -337,7 +337,7 @@ def time_plan(recipe: Recipe) -> TimePlan | None:
     if any(s is None for s in stages):
         return None
     intra, inter = link_gb_s(recipe)
-    off_triton = tuple(st.name for st in recipe.curriculum.stages
+    priced_as_triton = tuple(st.name for st in recipe.curriculum.stages
                        if (st.kernel_backend or recipe.attention.kernel_backend) != "triton")
     return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu],
-                    intra, inter, segment_seconds(recipe), off_triton)
+                    intra, inter, segment_seconds(recipe), priced_as_triton)

@@ -75,7 +75,9 @@ class Backend:
                                width: int, scale: float) -> torch.Tensor:
         """The KL teacher over every visible entry: q [T, H, D], kv [N, D], query t's entries the kv rows
         ``lo[t] + j`` for j < ``n_visible[t]`` (<= ``width``) -> [T, width] float32, slot j of row t that entry's
-        head-averaged probability, 0 past ``n_visible[t]``. No gradient."""
+        head-averaged probability, 0 past ``n_visible[t]``. No gradient. The warm-up KL's teacher (seed 000 §3:
+        the main attention's head-averaged distribution over every visible compressed entry). Raises nothing of its
+        own; the entries must lie inside ``kv`` (``layer._DenseKL`` passes each query's visible ones)."""
         if self.dense_head_avg_probs is not None:
             return self.dense_head_avg_probs(q, kv, lo, n_visible, width, scale)
         return self.head_avg_probs(q, kv, reference.range_selection(lo, n_visible, width), scale)
