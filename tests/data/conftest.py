@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from v4launch.data.prepare import megatron_indexed
+from v4launch.data.indexed import megatron_indexed
 
 
 def write_dataset(prefix: Path, lengths: list[int], seed: int = 0) -> list[np.ndarray]:

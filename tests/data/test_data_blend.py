@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from v4launch.data import ByteTokenizer, DataError, prepare_dataset
 from v4launch.data.blend import BlendedBatchLoader
-from v4launch.data.prepare import megatron_indexed
+from v4launch.data.indexed import megatron_indexed
 from v4launch.validators.schema import DataConfig
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from v4launch.data import ByteTokenizer, DataError, PreparedDataset, file_documents, prepare_dataset, python_stdlib_documents
-from v4launch.data.prepare import megatron_indexed
+from v4launch.data.indexed import megatron_indexed
 from v4launch.data.sources import stdlib_files
 from v4launch.validators.schema import DataConfig
 from v4launch.workspace import Workspace

@@ -13,7 +13,7 @@ from tokenizer_helpers import train_bpe
 from tokenizers import Tokenizer
 
 from v4launch.data import DataError, get_tokenizer, prepare_dataset
-from v4launch.data.prepare import megatron_indexed
+from v4launch.data.indexed import megatron_indexed
 from v4launch.validators.schema import DataConfig
 
 

@@ -4,6 +4,8 @@
     sources.py    python_stdlib_documents / file_documents (txt, jsonl, directories)
     prepare.py    prepare_dataset -> PreparedDataset (.bin/.idx via megatron-core, cached, atomic)
     packing.py    PackedBatchLoader -> PackedBatch (fixed-capacity THD, resumable across DP/seq_len)
+    blend.py      BlendDataset: weighted prefixes prepared elsewhere, checked against the recipe
+    indexed.py    megatron_indexed(): megatron-core's indexed-dataset module, imported on first use
 
 megatron-core is imported lazily (first prepare or loader), never at package import.
 Layout and guarantees: docs/data.md.

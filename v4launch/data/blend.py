@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .packing import PackedBatchLoader
-from .prepare import megatron_indexed
+from .indexed import megatron_indexed
 from .sources import DataError
 
 SCAN_CHUNK = 1 << 24

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .prepare import megatron_indexed
+from .indexed import megatron_indexed
 
 IGNORE_INDEX = -100
 """Label value the loss ignores (padding, segment ends)."""

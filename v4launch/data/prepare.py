@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,19 +32,13 @@ import numpy as np
 
 from ..validators.schema import DataConfig
 from ..workspace import STATE_DIR, Workspace
+from .blend import BlendDataset, blend_key, prepare_blend
+from .indexed import megatron_indexed
 from .sources import DataError, documents_for, input_files, interpreter_id
 from .tokenizer import ByteTokenizer
 
 FORMAT = 1
 """Version of the prepared layout; part of the cache key."""
-
-
-def megatron_indexed():
-    """Import ``megatron.core.datasets.indexed_dataset`` lazily with its TE/Apex warnings silenced (takes seconds)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset
-    return indexed_dataset
 
 
 @dataclass(frozen=True)
@@ -122,8 +115,6 @@ def cache_key(data_cfg: DataConfig, tokenizer: ByteTokenizer) -> str:
         DataError: a path in ``data.paths`` does not exist.
     """
     if data_cfg.source == "blend":
-        from .blend import blend_key
-
         return blend_key(data_cfg, tokenizer.fingerprint())
     parts: dict[str, Any] = {
         "format": FORMAT, "source": data_cfg.source, "max_documents": data_cfg.max_documents,
@@ -255,8 +246,6 @@ def prepare_dataset(data_cfg: DataConfig, tokenizer: ByteTokenizer, out_prefix: 
     key = cache_key(data_cfg, tokenizer)
     explicit = out_prefix if out_prefix is not None else (Path(data_cfg.prefix) if data_cfg.prefix else None)
     if data_cfg.source == "blend":  # the datasets exist: check them and write the blend's metadata only
-        from .blend import prepare_blend
-
         meta = Path(explicit).expanduser().absolute() if explicit else default_prefix(workspace or Workspace.current(), key)
         if (ds := _prepared_here(meta, key)) is not None:
             return _reused(ds)
@@ -319,8 +308,6 @@ def read_dataset(prefix: Path) -> Any:
     except (OSError, ValueError):
         data = None
     if isinstance(data, dict) and data.get("kind") == "blend":
-        from .blend import BlendDataset
-
         try:
             return BlendDataset.from_dict(data)
         except (KeyError, TypeError, ValueError) as exc:
