@@ -57,7 +57,7 @@ GIB = float(1 << 30)
 
 REGIONS = [
     ("attention fwd", r"_sparse_fwd|_fwd_tile"),
-    ("attention bwd", r"_sparse_bwd|_dkv|_dq_|_red_add_rows|_bwd_tile|_tile_rows"),
+    ("attention bwd", r"_sparse_bwd|_dkv|_dq_|red_add_rows|_bwd_tile|_tile_rows"),
     ("KL teacher + student", r"_teacher|_student"),
     ("indexer scores + top-k", r"_index_scores|topk|radix|sort|bitonic"),
     ("MoE grouped GEMMs", r"[Gg]roup"),

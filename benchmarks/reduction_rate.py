@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v4launch.model.kernels.triton_attention import _red_add_rows
+from v4launch.model.kernels.triton_attention_common import red_add_rows
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _reduce_rows(DST, ROWS, D: tl.constexpr, R: tl.constexpr, MODE: tl.constexpr
     if MODE == 0:
         tl.atomic_add(DST + rows[:, None] * D + offs_d[None, :], vals, sem="relaxed")
     elif MODE == 1:
-        _red_add_rows(DST, rows, rows >= 0, vals, 0, D)
+        red_add_rows(DST, rows, rows >= 0, vals, 0, D)
     else:
         tl.store(DST + rows[:, None] * D + offs_d[None, :], vals)
 

@@ -11,7 +11,7 @@ Backward: bf16/fp16 with heads % 64 == 0 run the two-pass kernels of
 The single-pass kernel here serves float32 and other head counts: per query, recompute p
 from the saved lse, ``dS = p * (dP - delta)``; dQ accumulates in registers, dKV tiles
 [BN, D] go to a float32 buffer with relaxed ``red.global.add.v2.f32`` reductions on column
-pairs (``_red_add_rows``, shared with the two-pass kernels; rows are shared across queries,
+pairs (``red_add_rows``, shared with the two-pass kernels; rows are shared across queries,
 and V = K so both terms land in one row).
 dsink = -sum_t exp(sink - lse) * delta (one tiny torch reduction).
 
@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from . import triton_attention_bwd as two_pass
+from . import triton_attention_query_blocks as query_blocks
+from .triton_attention_common import LOG2E, prep_operands, red_add_rows
 
 # Tuned on the H200 (see docs/kernels.md); keyed by "fwd"/"bwd"/"teacher" then dtype kind.
 CONFIGS = {
@@ -123,36 +125,6 @@ def _sparse_fwd(Q, KV, IDX, RNG, SINK, O, LSE, LSE_SEL, K_SEL, sq_t, sq_h, so_t,
 
 
 @triton.jit
-def _red_add_rows(OUT, rows, valid, vals, col0, D: tl.constexpr, USE_ASM: tl.constexpr = True):
-    """``OUT[rows[r], col0 + c] += vals[r, c]`` for valid rows (float32, relaxed, gpu scope), one
-    ``red.global.add.v2.f32`` (sm_90) per column pair. The address is formed inside the asm from
-    a per-row base and a per-column offset, so no [R, C] tensor of 64-bit pointers is built.
-    USE_ASM = False (Triton's CPU interpreter, which runs no inline asm) uses ``tl.atomic_add``."""
-    R: tl.constexpr = vals.shape[0]
-    C: tl.constexpr = vals.shape[1]
-    if not USE_ASM:
-        tl.atomic_add(OUT + rows.to(tl.int64)[:, None] * D + col0 + tl.arange(0, C)[None, :], vals,
-                      mask=valid[:, None], sem="relaxed")
-        return
-    v_even, v_odd = tl.split(tl.reshape(vals, [R, C // 2, 2]))
-    base = (OUT + rows.to(tl.int64) * D + col0).to(tl.int64, bitcast=True)
-    base = tl.broadcast_to(base[:, None], [R, C // 2])
-    col = tl.broadcast_to((tl.arange(0, C // 2) * 8)[None, :], [R, C // 2])
-    ok = tl.broadcast_to(valid.to(tl.int32)[:, None], [R, C // 2])
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        .reg .u64 a;
-        setp.ne.b32 p, $2, 0;
-        cvt.u64.u32 a, $3;
-        add.u64 a, a, $1;
-        @p red.global.gpu.relaxed.add.v2.f32 [a], {$4, $5};
-        mov.b32 $0, 0;
-        }""",
-        constraints="=r,l,r,r,r,r", args=[base, ok, col, v_even, v_odd], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, sm_scale, offs_d, dv0,
               D: tl.constexpr, DV: tl.constexpr, PREC: tl.constexpr, USE_ASM: tl.constexpr):
     rows64 = rows.to(tl.int64)
@@ -170,7 +142,7 @@ def _bwd_tile(q, do, qv, dov, KV, DKV, rows, valid, lse2, delta, dq, qk_scale, s
     dq = tl.dot(ds.to(kvv.dtype), kvv, dq, input_precision=PREC)
     dkv = tl.dot(tl.trans(p.to(dov.dtype)), dov, input_precision=PREC)
     dkv = tl.dot(tl.trans((ds * sm_scale).to(qv.dtype)), qv, dkv, input_precision=PREC)
-    _red_add_rows(DKV, rows, valid, dkv, dv0, D, USE_ASM)
+    red_add_rows(DKV, rows, valid, dkv, dv0, D, USE_ASM)
     return dq
 
 
@@ -262,15 +234,6 @@ def _teacher(Q, KV, IDX, LSE_SEL, OUT, K_SEL, sq_t, sq_h, qk_scale,
         tl.store(OUT + t * K_SEL + sel, tl.sum(p, 0) / H, mask=sel < K_SEL)
 
 
-def _prep(q, kv, idx, ranges):
-    q = q.contiguous()
-    kv = kv.contiguous()
-    has_idx = idx is not None and idx.shape[1] > 0
-    idx_t = idx.to(torch.int32).contiguous() if has_idx else q.new_zeros(1, dtype=torch.int32)
-    rng_t = ranges.to(torch.int32).contiguous() if ranges is not None else q.new_zeros(4, dtype=torch.int32)
-    return q, kv, idx_t, rng_t, has_idx, ranges is not None, (idx.shape[1] if has_idx else 0)
-
-
 def attention_fwd(q, kv, idx, sink, scale, ranges=None):
     """(out [T, H, D] like q, lse [T, H] float32) of :func:`sparse_sink_attention`, no autograd."""
     return _forward(q, kv, idx, sink, scale, ranges)[:2]
@@ -279,7 +242,7 @@ def attention_fwd(q, kv, idx, sink, scale, ranges=None):
 def _forward(q, kv, idx, sink, scale, ranges):
     """(out, lse, selected_lse [T, H] float32: the log-sum-exp over the valid selected slots alone, -1e30 for a
     row without one or without ``idx``)."""
-    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = prep_operands(q, kv, idx, ranges)
     T, H, D = q.shape
     cfg = CONFIGS["fwd"][_kind(q.dtype)]
     DV = D // cfg["n_split"]
@@ -325,9 +288,6 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, range_bounds=None):
     measured 9% slower on the H200 at the benchmark model's layers, 28.2 vs 25.8 ms per step, both near the
     floor of their float32 dKV reductions (benchmarks/results/attention_bwd_two_pass_h16_h200.json), so it
     is not dispatched there."""
-    from . import triton_attention_bwd as two_pass
-    from . import triton_attention_query_blocks as query_blocks
-
     if two_pass.supported(q) and q.shape[1] % two_pass.HEAD_BLOCK == 0:
         return two_pass.attention_bwd(q, kv, idx, ranges, out, lse, dout, scale)
     if QUERY_BLOCK_BACKWARD and range_bounds is not None and ranges is not None and query_blocks.supported(q):
@@ -352,7 +312,7 @@ def attention_bwd_single_pass(q, kv, idx, ranges, out, lse, dout, scale, dq_in=N
     """One program per (query, output slice): recomputes the scores per slice; any dtype. ``dq_in`` (float32
     [T, H, D], optional): a partial dQ of other candidates, added to this one before the cast; ``dkv_into``
     (float32 [N, D], optional): the buffer the dKV reductions add into (returned), instead of a zeroed one."""
-    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = prep_operands(q, kv, idx, ranges)
     T, H, D = q.shape
     kind = _kind(q.dtype)
     cfg = CONFIGS["bwd"]["lp_h16" if kind == "lp" and H <= 16 else kind]

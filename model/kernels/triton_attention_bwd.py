@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _prep, _red_add_rows
+from .triton_attention_common import LOG2E, prep_operands, red_add_rows
 
 # Tuned on the H200 (benchmarks/attention.py --sweep; results in benchmarks/results/). The pass-1
 # tile BN fixes the slot layout of the dS buffer (each range padded to whole BN tiles); pass 2 walks
@@ -146,7 +146,7 @@ def _dkv_pass(Q, KV, IDX, RNG, O, DO, LSE, DELTA, DKV, DS, K_SEL, NC, t0, sq_t, 
         if not REDUCE_IDX:
             valid = tl.where(j < n0 + n1, valid, False)
         for i in tl.static_range(NP):
-            _red_add_rows(DKV, rows, valid, tl.dot(a_op, qdo[i]), i * P, D, USE_ASM)
+            red_add_rows(DKV, rows, valid, tl.dot(a_op, qdo[i]), i * P, D, USE_ASM)
 
 
 @triton.jit
@@ -260,7 +260,7 @@ def attention_bwd(q, kv, idx, ranges, out, lse, dout, scale, budget_bytes: int |
             _UNTESTED_TRITON_SAID.append(why)  # this GPU could run it: say once why the slower pass 1 runs
             warnings.warn(f"sparse-attention backward: the Gluon pass 1 {why}; using the Triton pass 1", stacklevel=2)
         dkv_kernel = "triton" if why else "gluon"
-    q, kv, idx_t, rng_t, has_idx, has_rng, K = _prep(q, kv, idx, ranges)
+    q, kv, idx_t, rng_t, has_idx, has_rng, K = prep_operands(q, kv, idx, ranges)
     T, H, D = q.shape
     BH = head_block(H)
     c1, c2 = CONFIGS["dkv"], CONFIGS["dq"]

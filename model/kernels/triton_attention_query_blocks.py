@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _red_add_rows
+from .triton_attention_common import LOG2E, red_add_rows
 
 VIRTUAL_HEADS = 64
 """Query rows per pass-1 program: QB = VIRTUAL_HEADS / H consecutive queries of H heads."""
@@ -142,7 +142,7 @@ def _dkv_block_pass(Q, KV, RNG, O, DO, LSE, DELTA, DKV, DS, SEL, NC, CAP0, CAP1,
         # [dS^T | P^T] against the stacked [q; dO]: dKV = dS^T q + P^T dO for the whole block, reduced once
         a_op = tl.reshape(tl.permute(tl.join(dsb, pt.to(Q.dtype.element_ty)), (0, 2, 1)), [BN, 2 * R])
         for i in tl.static_range(NP):
-            _red_add_rows(DKV, rows, in_union, tl.dot(a_op, qdo[i]), i * P, D, USE_ASM)
+            red_add_rows(DKV, rows, in_union, tl.dot(a_op, qdo[i]), i * P, D, USE_ASM)
 
 
 @triton.jit

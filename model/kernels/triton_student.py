@@ -20,7 +20,7 @@ Before the head blocks, one program held all heads of a row: at the benchmark's 
   ReLU and the head weights fused; nothing but the [T, K] scores is written;
 * backward: recompute the block's logits, then ``dw`` and ``dq`` accumulate in registers and the
   key gradient of the block, ``gl^T q`` [BK, dI], is added to a float32 [C, dI] buffer with
-  relaxed ``red.global.add.v2.f32`` reductions on column pairs (``triton_attention._red_add_rows``;
+  relaxed ``red.global.add.v2.f32`` reductions on column pairs (``triton_attention.red_add_rows``;
   rows of one query are distinct entries; rows of different queries collide).
   Its two matrix products, ``gl kt^T`` and ``gl^T q``, must not round the float32 ``gl`` to bf16 (the
   gradient ``p_s - p_t`` would lose its low bits). For bf16 operands each runs as two bf16
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import _red_add_rows
+from .triton_attention_common import red_add_rows
 
 BK = 64
 HB = 16
@@ -155,7 +155,7 @@ def _student_bwd_keys(Q, W, KEYS, SEL, G, DKEYS, DQ, DW, K, sq_t, sq_h, sw_t, ss
                 if FUSED:
                     dq += tl.dot(gl, tl.trans(kt.to(tl.float32)), input_precision="ieee")
                 dk += tl.dot(tl.trans(gl), q.to(tl.float32), input_precision="ieee")
-        _red_add_rows(DKEYS, ent, ok & kmask, dk, 0, DI, USE_ASM)
+        red_add_rows(DKEYS, ent, ok & kmask, dk, 0, DI, USE_ASM)
     if FUSED:
         tl.store(DQ + r * HI * DI + offs_h[:, None] * DI + offs_d[None, :], dq)
         tl.store(DW + r * HI + offs_h, dw)
@@ -207,7 +207,7 @@ def student_scores_backward(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor
     * ``split``: the two gradient products as bf16 hi + lo pairs on the tensor cores (default for bf16
       operands) instead of float32 on the CUDA cores (``ieee``: the default for fp16 / fp32);
     * ``vector_red``: the key gradient added with ``red.global.add.v2.f32`` on column pairs
-      (``triton_attention._red_add_rows``; default on CUDA) instead of ``tl.atomic_add`` per element.
+      (``triton_attention.red_add_rows``; default on CUDA) instead of ``tl.atomic_add`` per element.
 
     Raises: ValueError for ``split=True`` with operands that are not bf16."""
     qc, wc, kc, selc = _operands(q, w, keys, sel)
