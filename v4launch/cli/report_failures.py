@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .fix_command import pasteable
+from .report_format import cell, header
 
 if TYPE_CHECKING:
     from ..validators import Report, Violation
@@ -49,8 +50,6 @@ def render_failures(report: Report, recipe: Any, con: Any, command: tuple[str, l
         command: the recipe path and overrides as given (each fix is printed as a command to paste).
         combined: the merged fix of several failing rules, printed after the rules' own fixes (None: none).
     """
-    from .validate import _cell, header  # the full report's cell and header formats
-
     header(report, recipe, con)
     rows = grouped(report)
     total = len(report.stages)
@@ -62,7 +61,7 @@ def render_failures(report: Report, recipe: Any, con: Any, command: tuple[str, l
             status = "fail" if v.severity == "error" else "warn"
             note = v.message + (f" (in {names[0]}; each stage's own figures: without --quiet)" if differ else "")
             table.add_row(Text(status, style=STYLE[status]), v.rule_id, _stages(names, total),
-                          f"{v.field} = {_cell(v.value)}", v.source, Text(note, style=STYLE[status]))
+                          f"{v.field} = {cell(v.value)}", v.source, Text(note, style=STYLE[status]))
         con.print(table)
     printed: dict[str, str] = {}
     for v, _, _ in rows:

@@ -18,6 +18,8 @@ from ..workspace import Workspace
 from .combined_fix import CombinedFix, combine
 from .fix_command import pasteable
 from .common import OUT, JsonOpt, OverridesArg, current_workspace, reader_left, split_recipe_arg
+from .report_failures import render_failures
+from .report_format import cell, header
 
 if TYPE_CHECKING:  # the loader and validators (pydantic) load only when the command runs
     from ..validators import Report, RuleResult, StageResult
@@ -127,11 +129,6 @@ def human_bytes(n: int | None) -> str:
     return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
-def _cell(value: Any) -> str:
-    text = str(value) if not isinstance(value, (list, tuple)) else "[" + ", ".join(map(str, value)) + "]"
-    return text if len(text) <= 48 else text[:45] + "..."
-
-
 def _table(results: tuple[RuleResult, ...]) -> Table:
     table = Table(box=None, pad_edge=False, show_header=True, header_style="bold")
     for name in ("status", "rule", "field = value", "set at", "note / fix"):
@@ -141,9 +138,9 @@ def _table(results: tuple[RuleResult, ...]) -> Table:
         if r.violations:
             for v in r.violations:
                 note = Text(v.message, style=style)
-                table.add_row(Text(r.status, style=style), v.rule_id, Text(f"{v.field} = {_cell(v.value)}"), Text(v.source), note)
+                table.add_row(Text(r.status, style=style), v.rule_id, Text(f"{v.field} = {cell(v.value)}"), Text(v.source), note)
         elif r.status == "pass":
-            fv = f"{r.field} = {_cell(r.value)}" if r.field else ""
+            fv = f"{r.field} = {cell(r.value)}" if r.field else ""
             table.add_row(Text("pass", style=style), r.rule_id, Text(fv), Text(r.source or ""), Text(r.note))
         else:
             table.add_row(Text(r.status, style=style), Text(r.rule_id, style="dim"), "", "", Text(r.note, style="dim"))
@@ -279,8 +276,6 @@ def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = 
     as a ``v4launch validate`` line to paste (``fix_command.pasteable``). ``quiet``: only the failing and warning
     findings (``report_failures.render_failures``). ``combined``: the merged fix of several failing rules
     (``combined_fix.combine``), printed as one ``fix all:`` line before the verdict."""
-    from .report_failures import render_failures
-
     con = OUT.console
     saved = con._width
     if not con.is_terminal:  # piped output: don't fold the tables at 80 columns
@@ -290,19 +285,6 @@ def render(report: Report, recipe: Any, command: tuple[str, list[str]] | None = 
                                                 combined)
     finally:
         con._width = saved
-
-
-def header(report: Report, recipe: Any, con: Any) -> None:
-    """The report's first lines: recipe, file, cluster and layout, then the description."""
-    from ..recipe_loading import display_path
-
-    c, p = recipe.cluster, recipe.parallel
-    shown = display_path(Path(report.path)) if report.path else report.recipe
-    con.print(f"[bold]{report.recipe}[/bold] ({shown}) · {c.nodes}×{c.gpus_per_node} {c.gpu}"
-              f"{f' (SM{c.sm})' if c.sm else ''} · world {c.world_size} · tp{p.tp} pp{p.pp} vpp{p.vpp} ep{p.ep}"
-              f"{f' · layout {p.pp_layout}' if p.pp_layout else ''}")
-    if recipe.description:
-        con.print(Text(recipe.description, style="dim"))
 
 
 def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]],
