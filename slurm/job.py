@@ -186,7 +186,7 @@ def submit_run(run_dir: Path, *, max_steps: int | None = None, entry: str = DEFA
     Raises:
         V4LaunchError: Slurm is missing or refused the job.
     """
-    from ..launchers import record_launch
+    from ..launcher_base import record_launch
     from ..rundir import load_run
 
     run_dir = Path(run_dir).absolute()

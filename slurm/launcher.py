@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import RefusedError
-from ..launchers import LaunchInfo, Launcher, RunStatus, last_metrics, latest_checkpoint_path, nothing_to_cancel
+from ..launcher_base import LaunchInfo, Launcher, RunStatus, last_metrics, latest_checkpoint_path, nothing_to_cancel
 from ..run_logs import follow_files
 from . import ledger, query
 from .render import SUBMITIT_DIR

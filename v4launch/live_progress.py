@@ -18,6 +18,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+PROGRESS_FILE = "progress.rank0.json"
+"""Rank 0's per-step progress record, in the run's ``logs/`` (replaced atomically after every step by
+``training.metrics.MetricsLogger``)."""
+
 SUMMARY_LINE = re.compile(r"^\d\d:\d\d:\d\d step \d+/\d+ ")
 """A rank-0 console line that only repeats a logged step's numbers (the bars show them)."""
 
@@ -81,8 +85,6 @@ class LiveProgress:
         Console (default: stdout's); ``step_file``: rank 0's per-step record (default: ``logs/progress.rank0.json``
         beside ``metrics``; the one there now, from an earlier launch, is not read)."""
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        from .training.metrics import PROGRESS_FILE
 
         self.path, self.stage_steps = Path(metrics), stage_steps
         self.step_file = Path(step_file) if step_file is not None else self.path.parent / "logs" / PROGRESS_FILE

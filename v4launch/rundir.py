@@ -347,34 +347,3 @@ def consume_resume_request(run_dir: Path) -> None:
     path = RunPaths(Path(run_dir)).resume
     if path.exists():
         os.replace(path, path.with_name("resume.done.json"))
-
-
-def list_runs(root: Path) -> list[dict[str, Any]]:
-    """One summary per run directory under ``root`` (a workspace's runs folder), oldest first.
-
-    Each summary: ``name``, ``path``, ``launcher``, ``started`` (run.json's creation time, UTC ISO), ``state``
-    (the launcher's ``status``: running, completed, cancelled, failed, died, ...), ``stage``, ``step``, ``loss``
-    (the last logged lm loss) and ``slurm_job_ids`` (the run's chain of Slurm jobs, oldest first; [] for a local
-    run). A run whose status cannot be read says why in ``state`` (``unreadable: ...``) instead of raising;
-    folders without a run.json are not runs and are left out. Returns [] when ``root`` does not exist.
-    """
-    from .launchers import last_metrics, launcher_for
-    from .slurm.ledger import job_ids, read
-
-    out = []
-    for run_json in sorted(Path(root).glob(f"*/{RUN_JSON}")) if Path(root).is_dir() else []:
-        run_dir = run_json.parent
-        try:
-            meta = json.loads(run_json.read_text())
-        except (OSError, ValueError):
-            continue
-        row: dict[str, Any] = {"name": run_dir.name, "path": str(run_dir), "launcher": meta.get("launcher", "local"),
-                               "started": meta.get("created"), "slurm_job_ids": job_ids(read(run_dir))}
-        try:
-            st = launcher_for(run_dir).status(run_dir)
-            row.update(state=st.state, stage=st.stage, step=st.step)
-        except Exception as exc:  # noqa: BLE001 - one damaged run must not hide the others
-            row.update(state=f"unreadable: {getattr(exc, 'message', None) or exc}", stage=None, step=None)
-        row["loss"] = (last_metrics(run_dir) or {}).get("lm_loss")
-        out.append(row)
-    return sorted(out, key=lambda r: (r["started"] or "", r["name"]))

@@ -163,7 +163,7 @@ def test_status_logs_cancel_on_a_local_run(ws, monkeypatch):
     assert cli("logs", str(run_dir), cwd=ws).returncode == 0
     cancel = cli("cancel", run_dir.name, cwd=ws)
     assert cancel.returncode == 1 and "not running" in cancel.stderr and "v4launch resume" in cancel.stderr
-    from v4launch.launchers import record_launch
+    from v4launch.launcher_base import record_launch
 
     record_launch(run_dir, state="completed")  # a finished run: nothing to resume either, so no resume hint
     done = cli("cancel", run_dir.name, cwd=ws)

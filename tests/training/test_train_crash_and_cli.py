@@ -126,7 +126,7 @@ def test_cold_indexer_override_really_trains_sparse(stopped_run):
 def test_resume_refused_while_the_run_is_live_writes_nothing(stopped_run):
     import os
 
-    from v4launch.launchers import record_launch
+    from v4launch.launcher_base import record_launch
     from v4launch.rundir import RunPaths
 
     paths = RunPaths(stopped_run)

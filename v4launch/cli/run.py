@@ -57,7 +57,6 @@ def run(recipe: RecipeArg = None, overrides: OverridesArg = None, max_steps: Max
     from ..launchers import LocalLauncher
     from ..rundir import code_revision, create_run_dir, record_code, update_run_extra
     from ..training.recipe_io import check_recipe, load_recipe
-    from ..workspace import Workspace
 
     check_profile_env()  # before a run directory exists: a bad V4LAUNCH_PROFILE_STEPS must not leave a failed run
     ws = current_workspace()

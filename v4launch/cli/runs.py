@@ -39,7 +39,7 @@ def runs(root: RootOpt = None, json_out: JsonOpt = False) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ..rundir import list_runs
+    from ..launchers import list_runs
     from ..workspace import Workspace
 
     folder = Path(root) if root else Workspace.current().runs_root()

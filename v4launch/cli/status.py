@@ -61,7 +61,7 @@ def _cell(value: Any) -> str:
 
 
 def _rows(run_dir: Path, st: Any) -> list[dict[str, Any]]:
-    from ..launchers import last_metrics
+    from ..launcher_base import last_metrics
 
     rows = st.detail.get("jobs")
     if rows is not None:
@@ -82,7 +82,7 @@ def _loss_cell(loss: Any, step: Any, logged_step: Any) -> str:
 
 
 def _table(run_dir: Path, st: Any, rows: list[dict[str, Any]]) -> Table:
-    from ..launchers import last_metrics
+    from ..launcher_base import last_metrics
 
     logged_step = (last_metrics(run_dir) or {}).get("step")  # the step the loss column comes from
     table = Table(title=f"{run_dir.name} ({st.launcher})", title_justify="left")

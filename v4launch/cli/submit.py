@@ -48,7 +48,6 @@ def submit(recipe: RecipeArg = None, overrides: OverridesArg = None, nodes: Node
     """Validate, freeze and submit a recipe to Slurm (or show every stage's job with --dry-run)."""
     from ..slurm.submit import check_clean, code_revision, prepare_run, submit_run
     from ..training.recipe_io import check_recipe, load_recipe
-    from ..workspace import Workspace
     from .run import check_profile_env
 
     check_profile_env()  # the jobs inherit the environment: refuse a malformed one before anything is queued

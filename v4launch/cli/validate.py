@@ -14,7 +14,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import RecipeError
-from ..workspace import Workspace
 from .combined_fix import CombinedFix, combine
 from .fix_command import pasteable
 from .common import OUT, JsonOpt, OverridesArg, current_workspace, reader_left, split_recipe_arg

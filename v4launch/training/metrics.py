@@ -29,10 +29,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..live_progress import PROGRESS_FILE, LiveProgress
 from ..rundir import write_json_atomic
 
-PROGRESS_FILE = "progress.rank0.json"
-"""Rank 0's per-step progress record, in the run's ``logs/`` (replaced atomically after every step)."""
 
 
 def _fmt(v: float | None, spec: str = ".4f") -> str:
@@ -126,8 +125,6 @@ class MetricsLogger:
     def _start_progress(self, run_dir: Path) -> None:
         """The bars of an in-process run (world size 1) on a terminal: one per stage, as the launcher draws for
         worker processes (``v4launch.live_progress``), fed here directly at every step."""
-        from ..live_progress import LiveProgress
-
         self._progress = LiveProgress(run_dir / "metrics.jsonl", {})
 
     def _line(self, text: str, console: bool = True) -> None:
