@@ -16,7 +16,11 @@ What one row runs (``--recipe``, default recipes/flash_4n.yaml, stage ``--stage`
   CP a rank holds seq_len / cp rows of the same context, so the per-token work is the same, less the
   CP exchange);
 * the recipe's recompute granularity, storage (``precision.params_dtype``: bf16 GEMM weights, no FSDP on
-  one GPU) and bf16 autocast; the kernel backend per row (``triton`` unless the row names ``reference``).
+  one GPU) and bf16 autocast; the kernel backend per row (``triton`` unless the row names ``reference``);
+* eager, as the Flash recipes run (``compile.enable`` false; the mHC mixing regions are compiled on a GPU either
+  way), or with ``--compile inductor`` each decoder block compiled as ``compile.enable`` compiles it
+  (``model.compile.compile_blocks``: under whole-layer recompute, the recomputed forward), to price turning it
+  on; ``--compile aot_eager`` traces without generating code (a CPU check of the tracing).
 
 One iteration = forward + backward of the LM loss plus the aux losses (indexer KL, balance), gradients set
 to None before it; no optimizer step (benchmarks/optimizer_step.py measures it). ``--warmup`` untimed
@@ -122,8 +126,9 @@ def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | N
     return Recipe.model_validate(data), {"ep": ep, "local_experts": local, "top_k": k, "tokens": seq}
 
 
-def build(recipe, device):
-    """(model with the recipe's recompute and storage, batch (tokens, cu_seqlens, max_seqlen, labels))."""
+def build(recipe, device, compile_backend: str | None = None):
+    """(model with the recipe's recompute and storage, batch (tokens, cu_seqlens, max_seqlen, labels)); with
+    ``compile_backend`` its blocks compiled (``compile_blocks``) after the recompute wrappers are applied."""
     import torch
 
     from v4launch.model import V4Model
@@ -149,6 +154,10 @@ def build(recipe, device):
                                                recipe.parallel.recompute_modules))
     if device.type == "cuda":
         apply_param_storage(model, recipe.precision.params_dtype, fsdp=False)
+    if compile_backend is not None:
+        from v4launch.model.compile import compile_blocks
+
+        compile_blocks(model, backend=compile_backend)
     T = st.seq_len
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (T,), generator=g).to(device)
@@ -269,6 +278,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small widths (smoke run on any device)")
+    ap.add_argument("--compile", choices=("none", "inductor", "aot_eager"), default="none",
+                    help="compile each decoder block as compile.enable does (default: eager, as the Flash recipes run)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--top", type=int, default=25, help="kernels kept per profile")
@@ -311,8 +322,9 @@ def main() -> None:
               f"{burst:.0f} burst (8192^3)", flush=True)
     shown = Path(a.recipe).resolve()
     shown = str(shown.relative_to(ROOT)) if shown.is_relative_to(ROOT) else a.recipe  # no machine paths in results
-    meta = {"recipe": shown, "stage": a.stage, "device": torch.cuda.get_device_name() if device.type == "cuda"
-            else "cpu", "torch": torch.__version__, "peak_tflops_sustained": peak, "rows": [], "profiles": []}
+    meta = {"recipe": shown, "stage": a.stage, "compile": a.compile,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "peak_tflops_sustained": peak, "rows": [], "profiles": []}
     print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for phase, L, backend in rows_wanted:
         row: dict = {"phase": phase, "layers": L, "backend": backend}
@@ -324,7 +336,7 @@ def main() -> None:
         recipe, shape = bench_recipe(a.recipe, a.stage, phase, L, a.tokens, backend, a.tiny)
         row.update(shape)
         try:
-            model, batch = build(recipe, device)
+            model, batch = build(recipe, device, None if a.compile == "none" else a.compile)
             row["flops"] = step_flops_per_token(recipe, recipe.curriculum.stages[0]) * shape["tokens"]
             row.update(measure(model, batch, device, a.warmup, a.iters))
             if (phase, L, backend) in profiled:

@@ -47,6 +47,20 @@ def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
     assert "sparse" in proc.stdout and "TFLOP/s" in proc.stdout
 
 
+def test_compiled_blocks_row_runs_and_is_labelled(tmp_path):
+    """``--compile aot_eager``: the blocks are traced as compile.enable traces them (under whole-layer recompute,
+    the recomputed forward) and the row runs; the JSON says which mode it measured."""
+    out = tmp_path / "fw.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "sparse:2", "--profile",
+                           "--warmup", "0", "--iters", "1", "--compile", "aot_eager", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["compile"] == "aot_eager"
+    (row,) = data["rows"]
+    assert "error" not in row and row["ms"] > 0 and row["loss"] == row["loss"]
+
+
 def test_bench_recipe_gives_one_ep_rank_its_experts():
     """flash_4n: 256 routed experts over EP32 -> 8 on the rank, top-6; the stage's 65,536 tokens; one GPU."""
     fw = _module()
