@@ -39,7 +39,7 @@ Columns:
 
 ``--profile phase:L`` adds one profiled iteration of that row: GPU kernel time per region, by kernel name
 (:data:`REGIONS`; the JSON keeps the top kernels so a reader can re-class them), and the share of the
-iteration the GPU is busy.
+iteration the GPU is busy; ``--sites`` adds the time per model function that launched it (:func:`source_sites`).
 Raises: SystemExit on a bad ``--rows`` entry.
 """
 
@@ -205,8 +205,9 @@ def measure(model, batch, device, warmup: int, iters: int) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0}
 
 
-def profile(model, batch, device, top: int) -> dict:
-    """One profiled iteration: GPU ms per region (:func:`region_of`), busy share, the top kernels."""
+def profile(model, batch, device, top: int, sites: bool = False) -> dict:
+    """One profiled iteration: GPU ms per region (:func:`region_of`), busy share, the top kernels; with ``sites``
+    also the model source lines the time was launched from (:func:`source_sites`)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -215,7 +216,7 @@ def profile(model, batch, device, top: int) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch_profile(activities=acts) as prof:
+    with torch_profile(activities=acts, with_stack=sites) as prof:
         iteration(model, batch, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -227,9 +228,43 @@ def profile(model, batch, device, top: int) -> dict:
         regions[region_of(e.key)] = regions.get(region_of(e.key), 0.0) + dev(e) / 1e3
     gpu_ms = sum(regions.values())
     kernels.sort(key=dev, reverse=True)
-    return {"wall_ms": wall_ms, "gpu_ms": gpu_ms, "regions_ms": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"name": e.key[:120], "ms": dev(e) / 1e3, "calls": e.count, "region": region_of(e.key)}
-                            for e in kernels[:top]]}
+    out = {"wall_ms": wall_ms, "gpu_ms": gpu_ms, "regions_ms": dict(sorted(regions.items(), key=lambda kv: -kv[1])),
+           "top_kernels": [{"name": e.key[:120], "ms": dev(e) / 1e3, "calls": e.count, "region": region_of(e.key)}
+                           for e in kernels[:top]]}
+    if sites:
+        out["sites"] = source_sites(prof.events(), cuda=device.type == "cuda")[:top]
+    return out
+
+
+SITE_FRAME = re.compile(r"^(?P<path>.+?)\((?P<line>\d+)\): (?P<func>.+)$")
+"""One frame of a profiled op's Python stack, as torch.profiler writes it: ``/path/file.py(123): function``."""
+
+
+def source_sites(events, cuda: bool) -> list[dict]:
+    """Where one iteration's time was launched from: each profiled ``aten::`` op's own time (the GPU time of the
+    kernels it launched on CUDA, its CPU time elsewhere) summed by the innermost function of the model package
+    (``model/…``, named by the line of its ``def``) among its Python callers; ops with none are summed under
+    "other": the backward of built-in autograd ops runs on autograd's own thread without a Python stack (custom
+    ``autograd.Function`` backwards and recomputed forwards do have one). Most time first:
+    ``{"site": "model/common.py:71 forward", "ms", "ops": {op name: calls}}``. Needs a profile taken
+    ``with_stack=True`` (its Python function events are the ops' parents)."""
+    model_dir = str(ROOT / "model") + "/"
+    totals: dict[str, dict] = {}
+    for e in events:
+        us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
+        if us <= 0 or not e.name.startswith("aten::"):
+            continue
+        where, parent = "other", e.cpu_parent
+        while parent is not None:
+            m = SITE_FRAME.match(parent.name)
+            if m and m["path"].startswith(model_dir):
+                where = f"model/{m['path'][len(model_dir):]}:{m['line']} {m['func']}"
+                break
+            parent = parent.cpu_parent
+        site = totals.setdefault(where, {"site": where, "ms": 0.0, "ops": {}})
+        site["ms"] += us / 1e3
+        site["ops"][e.name] = site["ops"].get(e.name, 0) + 1
+    return sorted(totals.values(), key=lambda t: -t["ms"])
 
 
 def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, int, str]]:
@@ -282,7 +317,9 @@ def main() -> None:
                     help="compile each decoder block as compile.enable does (default: eager, as the Flash recipes run)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=2)
-    ap.add_argument("--top", type=int, default=25, help="kernels kept per profile")
+    ap.add_argument("--top", type=int, default=25, help="kernels (and source sites) kept per profile")
+    ap.add_argument("--sites", action="store_true",
+                    help="profiles also sum the time by the model source line that launched it (a Python stack per op)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip rows that would start after this")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -341,7 +378,7 @@ def main() -> None:
             row.update(measure(model, batch, device, a.warmup, a.iters))
             if (phase, L, backend) in profiled:
                 meta["profiles"].append({"phase": phase, "layers": L, "backend": backend,
-                                         **profile(model, batch, device, a.top)})
+                                         **profile(model, batch, device, a.top, a.sites)})
         except Exception as exc:  # a row out of memory is reported; the others still run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
@@ -369,6 +406,9 @@ def main() -> None:
               f"{p['wall_ms']:.1f} ms")
         for name, ms in p["regions_ms"].items():
             print(f"  {name:26} {ms:9.1f} ms {100 * ms / p['gpu_ms']:5.1f}%")
+        for site in p.get("sites", [])[:15]:
+            ops = ", ".join(f"{k} x{n}" for k, n in sorted(site["ops"].items(), key=lambda kv: -kv[1])[:3])
+            print(f"  {site['ms']:9.1f} ms  {site['site']}  ({ops})")
     if a.json:
         a.json.write_text(json.dumps(meta, indent=1))
     failed = [r for r in meta["rows"] if "error" in r]

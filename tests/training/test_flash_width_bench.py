@@ -27,7 +27,7 @@ def _module():
 def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
     out = tmp_path / "fw.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "sparse:2", "sparse:4",
-                           "dense:2", "--profile", "sparse:2", "--warmup", "0", "--iters", "1", "--json", str(out)],
+                           "dense:2", "--profile", "sparse:2", "--sites", "--warmup", "0", "--iters", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -44,6 +44,9 @@ def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
         assert pair["layer_ms"] == pytest.approx((hi["ms"] - lo["ms"]) / 2)
         assert pair["layer_flops"] == pytest.approx((hi["flops"] - lo["flops"]) / 2)
     assert [p["phase"] for p in data["profiles"]] == ["sparse"]
+    sites = data["profiles"][0]["sites"]  # --sites: time per model function, most first
+    assert [s["ms"] for s in sites] == sorted((s["ms"] for s in sites), reverse=True)
+    assert any(s["site"].startswith("model/mhc.py:") for s in sites) and all(s["ms"] > 0 and s["ops"] for s in sites)
     assert "sparse" in proc.stdout and "TFLOP/s" in proc.stdout
 
 
