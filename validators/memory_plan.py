@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from . import derived
 from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
@@ -177,8 +178,13 @@ def _specs_by_place(m, phase: str) -> tuple[dict, dict]:
 def _gemm_weight(s: ParamSpec) -> bool:
     """Cast to bf16 for a GEMM and kept for backward: every matrix (Muon's, the router gate, the head, the
     mHC projections ``hc_*_fn``); not the embedding table (a lookup), norms, biases, ape or sinks."""
-    leaf = s.name.rsplit(".", 1)[-1]
-    return s.optimizer == "muon" or s.name.endswith(("gate.weight", "head.weight")) or leaf.endswith("_fn")
+    return _gemm_weight_name(s.name, s.optimizer)
+
+
+@lru_cache(maxsize=1 << 15)
+def _gemm_weight_name(name: str, optimizer: str) -> bool:
+    """:func:`_gemm_weight` by name (cached: a validate run that searches fixes asks ~300K times)."""
+    return optimizer == "muon" or name.endswith(("gate.weight", "head.weight")) or name.rsplit(".", 1)[-1].endswith("_fn")
 
 
 def _setting(recipe: Recipe, index: int) -> StageSetting:
@@ -277,7 +283,13 @@ _BLOCK_PART = re.compile(r"\.(attn|ffn)\.|\.(attn_norm|ffn_norm|hc_attn_[a-z]+|h
 def _in_block(p: ParamSpec) -> bool:
     """A parameter that ``Block.forward`` uses (attention, MoE, norms, mHC mixing); not an MTP layer's
     enorm / hnorm / e_proj / h_proj / head, which run outside it."""
-    return p.layer is not None and bool(_BLOCK_PART.search(p.name))
+    return p.layer is not None and _block_part(p.name)
+
+
+@lru_cache(maxsize=1 << 15)
+def _block_part(name: str) -> bool:
+    """:func:`_in_block`'s name test (cached, as :func:`_gemm_weight_name`)."""
+    return bool(_BLOCK_PART.search(name))
 
 
 def _copied(p: ParamSpec, low: set[str]) -> bool:

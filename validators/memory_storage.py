@@ -32,9 +32,9 @@ class TrainingState:
     optimizer_note: str
 
 
-def _matrix(sp: ParamSpec) -> bool:
+def _matrix(name: str, optimizer: str) -> bool:
     """A 2-D GEMM weight (the spec lists no shapes: Muon's matrices, the router gate and the heads)."""
-    return sp.optimizer == "muon" or sp.name.endswith(("ffn.gate.weight", "head.weight"))
+    return optimizer == "muon" or name.endswith(("ffn.gate.weight", "head.weight"))
 
 
 def stored_low(recipe: Recipe, sp: ParamSpec) -> bool:
@@ -42,14 +42,14 @@ def stored_low(recipe: Recipe, sp: ParamSpec) -> bool:
     if recipe.precision.params_dtype != "bf16":
         return False
     p = recipe.parallel
-    return _low(sp, p.distributed_optimizer and not (sp.routed and p.ep > 1))
+    return _low(sp.name, sp.optimizer, p.distributed_optimizer and not (sp.routed and p.ep > 1))
 
 
 @lru_cache(maxsize=1 << 14)
-def _low(sp: ParamSpec, sharded: bool) -> bool:
-    """:func:`stores_low_precision` of one spec (cached: a validate run plans the same specs thousands of times
-    while it searches fixes)."""
-    return stores_low_precision(sp.name, 2 if _matrix(sp) else 1, fsdp_sharded=sharded)
+def _low(name: str, optimizer: str, sharded: bool) -> bool:
+    """:func:`stores_low_precision` of one parameter (cached by its name, whose hash the string keeps: a validate
+    run plans the same parameters hundreds of thousands of times while it searches fixes)."""
+    return stores_low_precision(name, 2 if _matrix(name, optimizer) else 1, fsdp_sharded=sharded)
 
 
 def training_state(recipe: Recipe, rank_params: list[ParamSpec], shard: int) -> TrainingState:
