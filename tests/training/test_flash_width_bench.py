@@ -50,18 +50,21 @@ def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
     assert "sparse" in proc.stdout and "TFLOP/s" in proc.stdout
 
 
-def test_compiled_blocks_row_runs_and_is_labelled(tmp_path):
-    """``--compile aot_eager``: the blocks are traced as compile.enable traces them (under whole-layer recompute,
-    the recomputed forward) and the row runs; the JSON says which mode it measured."""
-    out = tmp_path / "fw.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "sparse:2", "--profile",
-                           "--warmup", "0", "--iters", "1", "--compile", "aot_eager", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["compile"] == "aot_eager"
-    (row,) = data["rows"]
-    assert "error" not in row and row["ms"] > 0 and row["loss"] == row["loss"]
+def test_compile_option_compiles_the_blocks_as_the_job_does():
+    """``--compile``: build() hands the model to ``compile_blocks`` after the recompute wrappers, so under the
+    recipe's whole-layer recompute each block's recomputed forward is the compiled region (as compile.enable
+    does in the job; the compiled blocks' numbers are tests/model/test_compile_blocks.py's)."""
+    import torch
+
+    from v4launch.model.parallel.recompute import COMPILED_REGIONS
+
+    fw = _module()
+    recipe, _ = fw.bench_recipe(str(REPO / "recipes" / "flash_4n.yaml"), 0, "sparse", 2, None, "triton", True)
+    eager, _ = fw.build(recipe, torch.device("cpu"))
+    compiled, _ = fw.build(recipe, torch.device("cpu"), "aot_eager")
+    regions = [m.__dict__[COMPILED_REGIONS] for m in compiled.modules() if COMPILED_REGIONS in m.__dict__]
+    assert len(regions) == 2 and all("forward" in r for r in regions)  # the two decoder layers
+    assert not any(COMPILED_REGIONS in m.__dict__ for m in eager.modules())
 
 
 def test_bench_recipe_gives_one_ep_rank_its_experts():
