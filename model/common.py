@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from . import regions
 from .matmul import project
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -69,10 +70,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = acc_dtype(x.dtype)
-        xf = x.to(acc)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.to(acc) * y).to(x.dtype)
+        if regions.fused_here(x):  # one fused kernel each way on CUDA (model/regions.py)
+            return regions.run(rms_norm, (0,), x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm`'s math: x [rows, ..., d] (any dtype), weight [d] -> x's shape and dtype,
+    ``weight * x * rsqrt(mean(x**2, -1) + eps)`` in the accumulation dtype."""
+    acc = acc_dtype(x.dtype)
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (weight.to(acc) * y).to(x.dtype)
 
 
 RMS_CHUNK_ROWS = 1 << 20  # vectors per chunk: a 2 GiB float32 transient at d = 512
@@ -87,6 +96,11 @@ class _RMSUnweighted(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         acc = acc_dtype(x.dtype)
         flat = x.reshape(-1, x.shape[-1])
+        ctx.shape = x.shape
+        if regions.fused_here(x):  # one fused kernel, no float32 temporaries: no chunks (model/regions.py)
+            y, r = regions.run(_rms_unweighted_forward, (0,), flat, eps)
+            ctx.save_for_backward(flat, r)
+            return y.view(x.shape)
         y = torch.empty_like(flat)
         r = torch.empty(flat.shape[0], 1, dtype=acc, device=x.device)
         for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
@@ -94,7 +108,6 @@ class _RMSUnweighted(torch.autograd.Function):
             r[i:i + RMS_CHUNK_ROWS] = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
             y[i:i + RMS_CHUNK_ROWS] = (xf * r[i:i + RMS_CHUNK_ROWS]).to(x.dtype)
         ctx.save_for_backward(flat, r)
-        ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
@@ -102,6 +115,8 @@ class _RMSUnweighted(torch.autograd.Function):
         flat, r = ctx.saved_tensors
         acc = r.dtype
         dy = dy.reshape(flat.shape)
+        if regions.fused_here(flat):
+            return regions.run(_rms_unweighted_backward, (0, 1, 2), flat, r, dy).view(ctx.shape), None
         dx = torch.empty_like(flat)
         for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
             rc = r[i:i + RMS_CHUNK_ROWS]
@@ -110,6 +125,22 @@ class _RMSUnweighted(torch.autograd.Function):
             # d/dx (x r) = r (g - y mean(g y)): the rsqrt's derivative folded into the mean term
             dx[i:i + RMS_CHUNK_ROWS] = (rc * (g - yf * (g * yf).mean(-1, keepdim=True))).to(flat.dtype)
         return dx.view(ctx.shape), None
+
+
+def _rms_unweighted_forward(flat: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`_RMSUnweighted`'s forward in one piece (the compiled region on CUDA): flat [rows, d] ->
+    (y [rows, d] in flat's dtype, r [rows, 1] in the accumulation dtype)."""
+    xf = flat.to(acc_dtype(flat.dtype))
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf * r).to(flat.dtype), r
+
+
+def _rms_unweighted_backward(flat: torch.Tensor, r: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """:class:`_RMSUnweighted`'s backward in one piece: ``dx = r (g - y mean(g y))`` with y = x r, g = dy, in
+    r's dtype; flat, dy [rows, d], r [rows, 1] -> dx [rows, d] in flat's dtype."""
+    yf = flat.to(r.dtype) * r
+    g = dy.to(r.dtype)
+    return (r * (g - yf * (g * yf).mean(-1, keepdim=True))).to(flat.dtype)
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,8 +21,11 @@ was still ~150 launches per mixing and bound the step on the host); elsewhere, a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from . import regions
 from .common import acc_dtype
 from .matmul import low_dtype, project
 
@@ -119,7 +122,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 # ------------------------------------------------------------------ fused (compiled) mixing
-_FUSED = {"on": True, "compiled": {}}
+_FUSED = {"on": True}
 
 
 def set_fused_mixing(enabled: bool) -> None:
@@ -131,48 +134,21 @@ def _fused_here(t: torch.Tensor) -> bool:
     return _FUSED["on"] and t.is_cuda and t.dtype != torch.float64
 
 
-COMPILE_OPTIONS = {"fullgraph": True, "dynamic": False}
-"""How the mHC regions are compiled: whole, every dimension static except the rows (see :func:`compile_mixing`)."""
-
 ROW_ARGS = {"pre": (0, 1), "post": (0, 1, 2, 3)}
 """Positions of the arguments with one row per token (dim 0 = T) of :func:`hc_pre_tail` (x, raw) and
 :func:`hc_post_fused` (f, residual, post, comb); ``scale`` and ``base`` are per-layer parameters."""
 
 
-def compile_mixing(fn, row_args: tuple[int, ...], backend: str | object = "inductor"):
-    """``fn`` (:func:`hc_pre_tail` or :func:`hc_post_fused`) compiled as the job runs it: one whole graph
-    whose token dimension (dim 0 of the arguments at ``row_args``) is dynamic and every other dimension
-    (hc, dim, the mix width) static.
-
-    The rows must be dynamic: a run's batches (THD rows, micro-batches, evaluation) have many row counts, and
-    each static recompile would count against dynamo's limit, past which it runs the function eagerly. The
-    rest must not be: compiled with every dimension dynamic (``dynamic=True``, before 2026-12-05) inductor
-    cannot unroll the sum over the hc = 4 streams, and wrote ``sum_j comb[j, k] X_j`` as a looped reduction
-    of 4 over [T x hc x dim] outputs with symbolic div/mod indexing (``triton_red_fused__to_copy_add_mul_sum_
-    unsqueeze_0``: 281 ms in 16 calls of the 3.9 s Flash-width sparse step on the H200, d49b3e8 profile,
-    where ~5 GB of traffic needs ~1.3 ms per call), and likewise hc_pre's stream sum and the backward's; with
-    hc and dim static the same code is one pointwise kernel. ``backend``: torch.compile's (tests pass others).
-    Returns a callable with ``fn``'s signature.
-    """
-    compiled = torch.compile(fn, backend=backend, **COMPILE_OPTIONS)
-
-    def run(*args):
-        for i in row_args:
-            torch._dynamo.maybe_mark_dynamic(args[i], 0)
-        return compiled(*args)
-
-    return run
-
-
 def _compiled(which: str):
-    """The compiled :func:`hc_pre_tail` / :func:`hc_post_fused` (:func:`compile_mixing`, built on first use);
-    inside a region already being compiled (a compiled Block) the plain functions, which that region fuses."""
-    if torch.compiler.is_compiling():
-        return hc_pre_tail if which == "pre" else hc_post_fused
-    fns = _FUSED["compiled"]
-    if which not in fns:
-        fns[which] = compile_mixing(hc_pre_tail if which == "pre" else hc_post_fused, ROW_ARGS[which])
-    return fns[which]
+    """The compiled :func:`hc_pre_tail` / :func:`hc_post_fused` (``regions.compile_rows_dynamic``: the rows
+    dynamic, hc and dim static; compiled with every dimension dynamic before 2026-12-05, inductor could not unroll
+    the sum over the hc = 4 streams and wrote ``sum_j comb[j, k] X_j`` as a looped reduction of 4 over
+    [T x hc x dim] outputs with symbolic div/mod indexing: ``triton_red_fused__to_copy_add_mul_sum_unsqueeze_0``,
+    281 ms in 16 calls of the 3.9 s Flash-width sparse step on the H200, where ~5 GB of traffic needs ~1.3 ms
+    per call); inside a region already being compiled (a compiled Block) the plain functions, which that region
+    fuses."""
+    fn = hc_pre_tail if which == "pre" else hc_post_fused
+    return functools.partial(regions.run, fn, ROW_ARGS[which])
 
 
 def hc_pre_tail(x: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,

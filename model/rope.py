@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from . import regions
 from .args import ModelArgs
 from .common import acc_dtype
 
@@ -102,6 +103,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     Returns:
         A new tensor of ``x``'s shape and dtype.
     """
+    if regions.fused_here(x):  # one fused kernel each way on CUDA (model/regions.py)
+        return regions.run(_rotate, (0, 1, 2), x, cos, sin, inverse)
+    return _rotate(x, cos, sin, inverse)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """:func:`apply_rope`'s math (the compiled region on CUDA)."""
     rd = 2 * cos.shape[-1]
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]

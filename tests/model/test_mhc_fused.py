@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from v4_helpers import LargestTensor
-from v4launch.model import mhc
+from v4launch.model import mhc, regions
 
 
 def _inputs(gen, T=7, hc=4, dim=16, dtype=torch.float64):
@@ -63,8 +63,8 @@ def test_the_switch_and_device_gate():
 
 @pytest.mark.parametrize("which", ["pre", "post"])
 def test_compiled_mixing_is_one_graph_dynamic_in_the_rows_alone(gen, which):
-    """Compiled as the job compiles them (``mhc.compile_mixing``), rows 5..40 share one graph (no recompile per
-    batch shape), and in it only the token dimension is symbolic: hc, dim and the mix width stay numbers, so
+    """Compiled as the job compiles them (``regions.compile_rows_dynamic``), rows 5..40 share one graph (no
+    recompile per batch shape), and in it only the token dimension is symbolic: hc, dim and the mix width stay numbers, so
     inductor unrolls the sums over the hc streams (all dimensions dynamic made them looped reductions with
     symbolic indexing, ~15x slower at Flash width on the H200). Values equal the eager mixing."""
     graphs = []
@@ -75,7 +75,7 @@ def test_compiled_mixing_is_one_graph_dynamic_in_the_rows_alone(gen, which):
 
     torch._dynamo.reset()
     fn = mhc.hc_pre_tail if which == "pre" else mhc.hc_post_fused
-    region = mhc.compile_mixing(fn, mhc.ROW_ARGS[which], backend=capture)
+    region = regions.compile_rows_dynamic(fn, mhc.ROW_ARGS[which], backend=capture)
     for T in (5, 9, 17, 40, 23):
         x, fn_w, scale, base = _inputs(gen, T=T)
         f = torch.randn(T, x.shape[2], generator=gen, dtype=x.dtype)

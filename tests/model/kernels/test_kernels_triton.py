@@ -495,13 +495,13 @@ def test_sinkhorn_kernel_matches_float64():
 
 
 def test_sinkhorn_kernel_inside_the_compiled_mhc_region_with_dynamic_row_counts():
-    """The mHC pre-mixing region compiled as the model compiles it (``mhc.compile_mixing``: fullgraph, so
+    """The mHC pre-mixing region compiled as the model compiles it (``regions.compile_rows_dynamic``: fullgraph, so
     the ``triton_op`` must trace without a graph break; the rows dynamic, so one graph serves every row
     count) at two row counts: its Sinkhorn output and the logits' gradient against float64."""
-    from v4launch.model import mhc
+    from v4launch.model import mhc, regions
 
     torch._dynamo.reset()
-    region = mhc.compile_mixing(mhc.hc_pre_tail, mhc.ROW_ARGS["pre"])
+    region = regions.compile_rows_dynamic(mhc.hc_pre_tail, mhc.ROW_ARGS["pre"])
     hc, dim, iters, eps = 4, 64, 20, 1e-6
     for T in (8193, 1000):
         logits = torch.randn(T, hc, hc, device=DEV) * 4

@@ -1,0 +1,124 @@
+"""The compiled elementwise regions of an eager CUDA step (model/regions.py: RMSNorm, the unweighted per-head
+RMS norm, RoPE), checked on the CPU: each region is one graph for every row count with only the rows symbolic,
+its values and gradients equal the eager code in float64, and the model's modules route through it where the
+regions apply (forced here on the CPU with the ``aot_eager`` backend, which traces without generating code)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v4launch.model import common, regions, rope
+
+
+def _capture(graphs):
+    def backend(gm, example_inputs):
+        graphs.append([n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"])
+        return gm.forward
+    return backend
+
+
+def _only_rows_symbolic(graph, n_row_args):
+    tensors = [v for v in graph if isinstance(v, torch.Tensor)]
+    rows = [v for v in tensors if v.dim() and isinstance(v.shape[0], torch.SymInt)]
+    assert len(rows) == n_row_args, [tuple(v.shape) for v in tensors]
+    for v in tensors:
+        assert not any(isinstance(d, torch.SymInt) for d in v.shape[1:]), tuple(v.shape)
+
+
+CASES = {
+    "rms_norm": (common.rms_norm, (0,), lambda T, g: (torch.randn(T, 3, 16, generator=g, dtype=torch.float64),
+                                                      1 + 0.1 * torch.randn(16, generator=g, dtype=torch.float64),
+                                                      1e-6)),
+    "rms_unweighted_forward": (common._rms_unweighted_forward, (0,),
+                               lambda T, g: (torch.randn(T, 16, generator=g, dtype=torch.float64), 1e-6)),
+    "rms_unweighted_backward": (common._rms_unweighted_backward, (0, 1, 2),
+                                lambda T, g: (torch.randn(T, 16, generator=g, dtype=torch.float64),
+                                              torch.rand(T, 1, generator=g, dtype=torch.float64) + 0.5,
+                                              torch.randn(T, 16, generator=g, dtype=torch.float64))),
+    "rope": (rope._rotate, (0, 1, 2), lambda T, g: (torch.randn(T, 4, 16, generator=g, dtype=torch.float64),
+                                                    torch.randn(T, 4, generator=g, dtype=torch.float64),
+                                                    torch.randn(T, 4, generator=g, dtype=torch.float64), True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_region_is_one_graph_for_every_row_count_with_only_the_rows_symbolic(gen, name):
+    fn, row_args, make = CASES[name]
+    graphs = []
+    torch._dynamo.reset()
+    region = regions.compile_rows_dynamic(fn, row_args, backend=_capture(graphs))
+    for T in (5, 9, 17, 40, 23):
+        args = make(T, gen)
+        got, want = region(*args), fn(*args)
+        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 5 row counts"
+    _only_rows_symbolic(graphs[0], len(row_args))
+
+
+def _plain_rms_norm(x, w, eps):
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+def _plain_rope(x, cos, sin, inverse):
+    """Interleaved pairs of the last 2 * rd/2 channels rotated by angle (cos, sin), negated when inverse."""
+    rd = 2 * cos.shape[-1]
+    out = x.clone()
+    s = -sin if inverse else sin
+    for j in range(rd // 2):
+        a, b = x[..., x.shape[-1] - rd + 2 * j], x[..., x.shape[-1] - rd + 2 * j + 1]
+        c, sj = cos[:, None, j], s[:, None, j]
+        out[..., x.shape[-1] - rd + 2 * j] = a * c - b * sj
+        out[..., x.shape[-1] - rd + 2 * j + 1] = a * sj + b * c
+    return out
+
+
+@pytest.fixture
+def regions_forced(monkeypatch):
+    """The regions on for CPU float64 tensors, traced by aot_eager (forward and backward graphs, run eagerly)."""
+    monkeypatch.setattr(regions, "fused_here", lambda t: True)
+    monkeypatch.setitem(regions._STATE, "backend", "aot_eager")
+    monkeypatch.setitem(regions._STATE, "built", {})
+    torch._dynamo.reset()
+    yield regions._STATE["built"]
+    torch._dynamo.reset()
+
+
+def test_modules_route_through_the_regions_and_keep_values_and_gradients(gen, regions_forced):
+    """RMSNorm, the per-head RMS norm and RoPE through their regions against plain float64 formulas written
+    here (values and every gradient), and the regions were the path taken."""
+    T, H, D, rd = 11, 4, 16, 8
+    norm = common.RMSNorm(D).double()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=gen, dtype=torch.float64))
+    x = torch.randn(T, H, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    cos = torch.randn(T, rd // 2, generator=gen, dtype=torch.float64)
+    sin = torch.randn(T, rd // 2, generator=gen, dtype=torch.float64)
+    seeds = [torch.randn(T, H, D, generator=gen, dtype=torch.float64) for _ in range(3)]
+
+    outs = [norm(x), common.rms_unweighted(x, 1e-6), rope.apply_rope(x, cos, sin, inverse=True)]
+    got = torch.autograd.grad(sum((o * s).sum() for o, s in zip(outs, seeds)), (x, norm.weight))
+    assert set(regions_forced) == {common.rms_norm, common._rms_unweighted_forward,
+                                   common._rms_unweighted_backward, rope._rotate}
+
+    xr = x.detach().clone().requires_grad_()
+    wr = norm.weight.detach().clone().requires_grad_()
+    want_outs = [_plain_rms_norm(xr, wr, norm.eps), _plain_rms_norm(xr, torch.ones_like(wr), 1e-6),
+                 _plain_rope(xr, cos, sin, True)]
+    want = torch.autograd.grad(sum((o * s).sum() for o, s in zip(want_outs, seeds)), (xr, wr))
+    for a, b in zip(outs, want_outs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_the_cpu_and_float64_stay_eager():
+    assert not regions.fused_here(torch.zeros(2, 3))
+    if torch.cuda.is_available():
+        assert not regions.fused_here(torch.zeros(2, 3, device="cuda", dtype=torch.float64))
+    regions.set_fused_regions(False)
+    try:
+        assert not regions._STATE["on"]
+    finally:
+        regions.set_fused_regions(True)
