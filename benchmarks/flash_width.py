@@ -20,7 +20,9 @@ What one row runs (``--recipe``, default recipes/flash_4n.yaml, stage ``--stage`
 * eager, as the Flash recipes run (``compile.enable`` false; the mHC mixing regions are compiled on a GPU either
   way), or with ``--compile inductor`` each decoder block compiled as ``compile.enable`` compiles it
   (``model.compile.compile_blocks``: under whole-layer recompute, the recomputed forward), to price turning it
-  on; ``--compile aot_eager`` traces without generating code (a CPU check of the tracing).
+  on; ``--compile aot_eager`` traces without generating code (a CPU check of the tracing);
+* on a GPU the elementwise chains of an eager step (RMSNorm, RoPE, the mHC mixing) as compiled regions
+  (model/regions.py), as the job runs them; ``--no-regions`` runs them eagerly (the A/B: both runs in one device session).
 
 One iteration = forward + backward of the LM loss plus the aux losses (indexer KL, balance), gradients set
 to None before it; no optimizer step (benchmarks/optimizer_step.py measures it). ``--warmup`` untimed
@@ -313,6 +315,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small widths (smoke run on any device)")
+    ap.add_argument("--no-regions", action="store_true",
+                    help="run RMSNorm, RoPE and the mHC mixing eagerly (model/regions.py off): the A/B of the regions")
     ap.add_argument("--compile", choices=("none", "inductor", "aot_eager"), default="none",
                     help="compile each decoder block as compile.enable does (default: eager, as the Flash recipes run)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -359,7 +363,12 @@ def main() -> None:
               f"{burst:.0f} burst (8192^3)", flush=True)
     shown = Path(a.recipe).resolve()
     shown = str(shown.relative_to(ROOT)) if shown.is_relative_to(ROOT) else a.recipe  # no machine paths in results
-    meta = {"recipe": shown, "stage": a.stage, "compile": a.compile,
+    if a.no_regions:
+        from v4launch.model import mhc, regions
+
+        regions.set_fused_regions(False)
+        mhc.set_fused_mixing(False)
+    meta = {"recipe": shown, "stage": a.stage, "compile": a.compile, "regions": not a.no_regions,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "peak_tflops_sustained": peak, "rows": [], "profiles": []}
     print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
