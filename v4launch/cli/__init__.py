@@ -7,10 +7,11 @@ import sys
 import typer
 
 from ..errors import V4LaunchError
-from .common import report_error
+from .common import CommandGroup, report_error
 
 app = typer.Typer(
     name="v4launch",
+    cls=CommandGroup,
     help="Validate, run and launch DeepSeek-V4-style training recipes.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -65,6 +66,6 @@ def _root(show_version: bool = typer.Option(False, "--version", callback=_versio
 def main() -> None:
     """Console-script entry point. Usage errors exit 2 (typer); user errors exit with their code, no traceback."""
     try:
-        app()
+        app(prog_name="v4launch")  # the name errors and help print, also under `python -m v4launch`
     except V4LaunchError as error:
         sys.exit(report_error(error))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .common import OUT, JsonOpt
+from .common import OUT, CommandGroup, JsonOpt
 
 HELP = "Bring a released DeepSeek-V4 checkpoint into a run (import) or write a run's weights in the released format (export)."
 IMPORT_HELP = ("Import a released-format checkpoint directory (config.json + model.safetensors.index.json + shards: FP8 "
@@ -31,7 +31,7 @@ EXPORT_EXAMPLES = """Examples:
   v4launch checkpoint export tiny_cpu-20261130-001256 --step 100 exported/tiny-fp8 --quantize
 """
 
-app = typer.Typer(no_args_is_help=True, help=HELP)
+app = typer.Typer(cls=CommandGroup, no_args_is_help=True, help=HELP)
 
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Recipe whose model the checkpoint must match; default: "
                                                "the workspace's recipe.", show_default=False)]

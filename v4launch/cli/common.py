@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import difflib
+
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from ..errors import UsageError, V4LaunchError
 
@@ -208,3 +211,19 @@ def refuse_flags(words: list[str], command: str) -> None:
             raise UsageError(f"{flag} is {peer[0]} flag; here it is the recipe field {ours}", hint=hint)
         raise UsageError(f"no such option: {flag}", hint=f"`v4launch {command} --help` lists the options; recipe "
                                                          "fields are given as overrides, dotted.key=value")
+
+
+class CommandGroup(TyperGroup):
+    """The command groups (``v4launch``, ``v4launch data``, ``v4launch checkpoint``): an unknown command is a
+    ``UsageError`` in the CLI's own one-line form (the closest command, the full list) instead of click's box."""
+
+    def resolve_command(self, ctx, args):  # noqa: D401 - click's hook
+        name = args[0] if args else None
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            known = sorted(self.list_commands(ctx))
+            close = difflib.get_close_matches(name, known, n=1)
+            where = ctx.command_path
+            raise UsageError(f"`{where}` has no command {name!r}",
+                             hint=(f"did you mean `{where} {close[0]}`? " if close else "")
+                             + f"commands: {', '.join(known)} (`{where} --help` says what each does)")
+        return super().resolve_command(ctx, args)

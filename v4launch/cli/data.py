@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Sequence
 import typer
 
 from ..workspace import Workspace
-from .common import OUT, JsonOpt, OverridesArg
+from .common import OUT, CommandGroup, JsonOpt, OverridesArg
 
 if TYPE_CHECKING:
     from ..validators.schema import Recipe
@@ -23,7 +23,7 @@ EXAMPLES = """Examples:
   v4launch data prepare --json                # the workspace's recipe, JSON summary
 """
 
-app = typer.Typer(no_args_is_help=True, help=HELP)
+app = typer.Typer(cls=CommandGroup, no_args_is_help=True, help=HELP)
 
 RecipeArg = Annotated[str | None, typer.Argument(help="Recipe YAML; default: the workspace's last recipe.", show_default=False)]
 OutOpt = Annotated[Path | None, typer.Option("--out", help="Dataset prefix to write (PREFIX.train.bin …); default: data.prefix, else the workspace cache.")]
