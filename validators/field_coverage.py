@@ -71,7 +71,7 @@ _MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "compress_ratios", "n_heads", 
 
 COVERAGE: dict[str, Coverage] = {
     "name": Honoured("v4launch.rundir:create_run_dir"),
-    "description": Honoured("v4launch.cli.validate:header"),
+    "description": Honoured("v4launch.cli.report_format:header"),
     **{f"model.{f}": Honoured(ADAPTER) for f in _MODEL_FIELDS},
     "model.max_position_embeddings": Checked("V4-SEQ-MAXPOS", "model.max_position_embeddings=2048"),
     "model.init_from_released": Honoured("v4launch.training.runner:Runner.__init__"),

@@ -175,15 +175,10 @@ def _specs_by_place(m, phase: str) -> tuple[dict, dict]:
     return params, buffers
 
 
-def _gemm_weight(s: ParamSpec) -> bool:
-    """Cast to bf16 for a GEMM and kept for backward: every matrix (Muon's, the router gate, the head, the
-    mHC projections ``hc_*_fn``); not the embedding table (a lookup), norms, biases, ape or sinks."""
-    return _gemm_weight_name(s.name, s.optimizer)
-
-
 @lru_cache(maxsize=1 << 15)
-def _gemm_weight_name(name: str, optimizer: str) -> bool:
-    """:func:`_gemm_weight` by name (cached: a validate run that searches fixes asks ~300K times)."""
+def _gemm_weight(name: str, optimizer: str) -> bool:
+    """Cast to bf16 for a GEMM and kept for backward: every matrix (Muon's, the router gate, the head, mHC's
+    ``hc_*_fn``), not the embedding, norms, biases, ape or sinks. Cached: a fix search asks ~300K times."""
     return optimizer == "muon" or name.endswith(("gate.weight", "head.weight")) or name.rsplit(".", 1)[-1].endswith("_fn")
 
 
@@ -288,14 +283,14 @@ def _in_block(p: ParamSpec) -> bool:
 
 @lru_cache(maxsize=1 << 15)
 def _block_part(name: str) -> bool:
-    """:func:`_in_block`'s name test (cached, as :func:`_gemm_weight_name`)."""
+    """:func:`_in_block`'s name test (cached, as :func:`_gemm_weight`)."""
     return bool(_BLOCK_PART.search(name))
 
 
 def _copied(p: ParamSpec, low: set[str]) -> bool:
     """A GEMM weight whose forward keeps a bf16 copy for backward: fp32-stored ones (autocast's cast), and the
     routed experts whatever their storage (the grouped GEMM stacks them, ``moe.run_local_experts``)."""
-    return _gemm_weight(p) and (p.routed or p.name not in low)
+    return _gemm_weight(p.name, p.optimizer) and (p.routed or p.name not in low)
 
 
 def _layer_weight_copies(params: list[ParamSpec], ep: int, low: set[str]) -> dict[int, float]:
