@@ -146,3 +146,18 @@ def test_no_search_with_fewer_than_two_rules_with_edits(bad: list[str], base_fil
     assert json.loads(out)["combined_fix"] is None
     code, out, _, exc = invoke(["validate", str(base_file), *bad, "-q"])
     assert exc is None and "fix all:" not in out
+
+
+def test_a_cp_that_splits_neither_the_world_nor_seq_len_is_fixed_by_the_nearest_cp(in_tmp: Path):
+    """cp=3 on flash_4n's 32 GPUs: V4-WORLD-SIZE and V4-CP-DIVISIBLE each offer the nearest cp that fits first
+    (4: divides 32 and 65,536; 2 is as near, the larger wins), their other ways (12 nodes; seq_len 65,538) after;
+    the combined line is cp=4 alone and passes. It was 12 nodes with seq_len 65,538 and larger batches."""
+    args = ["validate", str(RECIPES / "flash_4n.yaml"), "parallel.cp=3", "--json"]
+    code, out, _, _ = invoke(args)
+    data = json.loads(out)
+    fixes = {v["rule_id"]: v["fix"] for v in data["violations"] if v["stage"] == "dense_64k"}
+    assert fixes["V4-WORLD-SIZE"].startswith("set parallel.cp=4 (") and ", or cluster.nodes=12" in fixes["V4-WORLD-SIZE"]
+    assert fixes["V4-CP-DIVISIBLE"].startswith("set parallel.cp=4 (") and "seq_len=65538" in fixes["V4-CP-DIVISIBLE"]
+    fix = data["combined_fix"]
+    assert fix["found"] and fix["edits"] == ["parallel.cp=4"], fix
+    assert _paste(fix["command"])[0] == 0

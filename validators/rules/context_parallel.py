@@ -5,6 +5,22 @@ from __future__ import annotations
 from ..derived import boundary_width, local_rows
 from .base import Context, rule
 
+def nearest_cp(ctx: Context) -> int | None:
+    """The CP size nearest the stage's (the larger of two as near) that the world splits into (it divides
+    world / (tp·pp)) and that divides seq_len in every stage the same CP field sets; None when only 1 does (or the
+    stage's own cp already fits). What V4-WORLD-SIZE and V4-CP-DIVISIBLE offer first when cp is the odd one out."""
+    r, p = ctx.recipe, ctx.parallel
+    world, model = r.cluster.world_size, p.tp * p.pp
+    if world % model:
+        return None
+    own = ctx.stage is not None and ctx.stage.cp is not None
+    stages = [ctx.stage] if own else [st for st in r.curriculum.stages if st.cp is None]
+    fits = [d for d in range(2, world // model + 1)
+            if (world // model) % d == 0 and all(st.seq_len % d == 0 for st in stages)]
+    best = min(fits, key=lambda d: (abs(d - ctx.cp), -d), default=None)
+    return None if best == ctx.cp else best
+
+
 CP_CUTE_SMS = frozenset({90, 100, 103})
 """Compute capabilities the CSA CP CuTeDSL kernels accept (sm_90a, sm_100a, sm_103a)."""
 
@@ -84,8 +100,13 @@ def check_cp_divisible(ctx: Context):
         return ctx.na("CP = 1")
     if ctx.seq_len % ctx.cp:
         up = -(-ctx.seq_len // ctx.cp) * ctx.cp
+        other = nearest_cp(ctx)
+        keep = (f", or {ctx.stage_path('seq_len')}={up} (the next multiple of cp={ctx.cp})" if other else
+                f"{ctx.stage_path('seq_len')}={up} (the next multiple of cp={ctx.cp})")
+        fix = (f"set {ctx.cp_field}={other} (the nearest cp dividing seq_len and the world){keep}" if other else
+               f"set {keep}")
         return ctx.finding(ctx.stage_path("seq_len"), ctx.seq_len, f"seq_len {ctx.seq_len} is not divisible by cp={ctx.cp}",
-                           f"set {ctx.stage_path('seq_len')}={up} (the next multiple of cp={ctx.cp})")
+                           fix)
     return ctx.ok(ctx.stage_path("seq_len"), ctx.seq_len)
 
 

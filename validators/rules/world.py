@@ -8,6 +8,7 @@ from ..memory_fixes import divisors, with_edits
 from ..memory_fixes_whole import whole_recipe_fit
 from ..memory_plan import PlanUnavailable, memory_plan
 from .base import Context, micro_batches, rule
+from .context_parallel import nearest_cp
 from .contract import contract_beyond, no_other_failure, searching
 
 
@@ -43,8 +44,14 @@ def _nodes_fix(ctx: Context) -> str:
         if value != gbs:
             batches.setdefault(there.global_batch_field, value)
     extra = "".join(f" {field}={value}" for field, value in batches.items())
-    return (f"set cluster.nodes={nodes}{extra} ({nodes}·{c.gpus_per_node} GPUs split into tp·pp·cp of every stage, "
+    grow = (f"cluster.nodes={nodes}{extra} ({nodes}·{c.gpus_per_node} GPUs split into tp·pp·cp of every stage, "
             f"lcm {need}{'; and the global batch into whole micro-batches' if extra else ''})")
+    # a cp that splits neither the world nor seq_len (cp=3 on 32 GPUs) is the odd one out: the nearest cp that fits
+    # both first, more nodes the other way; where cp does split seq_len, another degree moved (pp): nodes alone
+    other = nearest_cp(ctx) if ctx.stage is not None and ctx.seq_len % ctx.cp else None
+    if other:
+        return f"set {ctx.cp_field}={other} (the nearest cp dividing the world and seq_len), or {grow}"
+    return f"set {grow}"
 
 
 @rule("V4-EP-EXPERTS", fields=("model.moe.n_routed_experts", "parallel.ep"), scope="recipe",
