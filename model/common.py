@@ -77,7 +77,7 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm`'s math: x [rows, ..., d] (any dtype), weight [d] -> x's shape and dtype,
-    ``weight * x * rsqrt(mean(x**2, -1) + eps)`` in the accumulation dtype."""
+    ``weight * x * rsqrt(mean(x**2, -1) + eps)`` in the accumulation dtype. Source: upstream ``RMSNorm``; spec §2."""
     acc = acc_dtype(x.dtype)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
@@ -94,50 +94,45 @@ class _RMSUnweighted(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        acc = acc_dtype(x.dtype)
         flat = x.reshape(-1, x.shape[-1])
         ctx.shape = x.shape
         if regions.fused_here(x):  # one fused kernel, no float32 temporaries: no chunks (model/regions.py)
             y, r = regions.run(_rms_unweighted_forward, (0,), flat, eps)
-            ctx.save_for_backward(flat, r)
-            return y.view(x.shape)
-        y = torch.empty_like(flat)
-        r = torch.empty(flat.shape[0], 1, dtype=acc, device=x.device)
-        for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
-            xf = flat[i:i + RMS_CHUNK_ROWS].to(acc)
-            r[i:i + RMS_CHUNK_ROWS] = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-            y[i:i + RMS_CHUNK_ROWS] = (xf * r[i:i + RMS_CHUNK_ROWS]).to(x.dtype)
+        else:
+            y = torch.empty_like(flat)
+            r = torch.empty(flat.shape[0], 1, dtype=acc_dtype(x.dtype), device=x.device)
+            for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
+                rows = slice(i, i + RMS_CHUNK_ROWS)
+                y[rows], r[rows] = _rms_unweighted_forward(flat[rows], eps)
         ctx.save_for_backward(flat, r)
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         flat, r = ctx.saved_tensors
-        acc = r.dtype
         dy = dy.reshape(flat.shape)
         if regions.fused_here(flat):
             return regions.run(_rms_unweighted_backward, (0, 1, 2), flat, r, dy).view(ctx.shape), None
         dx = torch.empty_like(flat)
         for i in range(0, flat.shape[0], RMS_CHUNK_ROWS):
-            rc = r[i:i + RMS_CHUNK_ROWS]
-            yf = flat[i:i + RMS_CHUNK_ROWS].to(acc) * rc
-            g = dy[i:i + RMS_CHUNK_ROWS].to(acc)
-            # d/dx (x r) = r (g - y mean(g y)): the rsqrt's derivative folded into the mean term
-            dx[i:i + RMS_CHUNK_ROWS] = (rc * (g - yf * (g * yf).mean(-1, keepdim=True))).to(flat.dtype)
+            rows = slice(i, i + RMS_CHUNK_ROWS)
+            dx[rows] = _rms_unweighted_backward(flat[rows], r[rows], dy[rows])
         return dx.view(ctx.shape), None
 
 
 def _rms_unweighted_forward(flat: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:class:`_RMSUnweighted`'s forward in one piece (the compiled region on CUDA): flat [rows, d] ->
-    (y [rows, d] in flat's dtype, r [rows, 1] in the accumulation dtype)."""
+    """:class:`_RMSUnweighted`'s forward (the compiled region on CUDA; per chunk of rows elsewhere):
+    flat [rows, d] -> (y [rows, d] in flat's dtype, r [rows, 1] in the accumulation dtype),
+    r = rsqrt(mean(x^2) + eps)."""
     xf = flat.to(acc_dtype(flat.dtype))
     r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (xf * r).to(flat.dtype), r
 
 
 def _rms_unweighted_backward(flat: torch.Tensor, r: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    """:class:`_RMSUnweighted`'s backward in one piece: ``dx = r (g - y mean(g y))`` with y = x r, g = dy, in
-    r's dtype; flat, dy [rows, d], r [rows, 1] -> dx [rows, d] in flat's dtype."""
+    """:class:`_RMSUnweighted`'s backward (as the forward, whole or per chunk): ``dx = r (g - y mean(g y))`` with
+    y = x r, g = dy, in r's dtype (the rsqrt's derivative folded into the mean term); flat, dy [rows, d],
+    r [rows, 1] -> dx [rows, d] in flat's dtype."""
     yf = flat.to(r.dtype) * r
     g = dy.to(r.dtype)
     return (r * (g - yf * (g * yf).mean(-1, keepdim=True))).to(flat.dtype)
