@@ -384,6 +384,13 @@ def main() -> None:
         try:
             model, batch = build(recipe, device, None if a.compile == "none" else a.compile)
             row["flops"] = step_flops_per_token(recipe, recipe.curriculum.stages[0]) * shape["tokens"]
+            from v4launch.model.kernels.dispatch import select_backend
+
+            used = select_backend(backend, device)
+            if used.name != backend:  # e.g. triton on a CPU: the reference kernels run, and the row says so
+                row.update(backend_used=used.name, backend_note=used.reason)
+                print(f"  ({phase}:{L}: {used.reason})",
+                      flush=True)
             row.update(measure(model, batch, device, a.warmup, a.iters))
             if (phase, L, backend) in profiled:
                 meta["profiles"].append({"phase": phase, "layers": L, "backend": backend,
@@ -411,8 +418,8 @@ def main() -> None:
         print(f"layers alone ({r['phase']}, {r['backend']}, L {r['from_layers'][0]} -> {r['from_layers'][1]}): "
               f"{r['layer_ms']:.1f} ms per layer, {r['layer_tflops']:.1f} TFLOP/s{mfu}")
     for p in meta["profiles"]:
-        print(f"\nprofile {p['phase']}:{p['layers']} ({p['backend']}): GPU busy {p['gpu_ms']:.1f} of "
-              f"{p['wall_ms']:.1f} ms")
+        busy = f"GPU busy {p['gpu_ms']:.1f} of" if device.type == "cuda" else "no GPU kernels (CPU run):"
+        print(f"\nprofile {p['phase']}:{p['layers']} ({p['backend']}): {busy} {p['wall_ms']:.1f} ms wall")
         for name, ms in p["regions_ms"].items():
             print(f"  {name:26} {ms:9.1f} ms {100 * ms / p['gpu_ms']:5.1f}%")
         for site in p.get("sites", [])[:15]:

@@ -48,6 +48,8 @@ def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
     assert [s["ms"] for s in sites] == sorted((s["ms"] for s in sites), reverse=True)
     assert any(s["site"].startswith("model/mhc.py:") for s in sites) and all(s["ms"] > 0 and s["ops"] for s in sites)
     assert "sparse" in proc.stdout and "TFLOP/s" in proc.stdout
+    assert all(r["backend_used"] == "reference" and r["backend_note"] for r in rows.values())  # triton: not on a CPU
+    assert "using the reference kernels" in proc.stdout and "no GPU kernels (CPU run)" in proc.stdout
 
 
 def test_compile_option_compiles_the_blocks_as_the_job_does():
