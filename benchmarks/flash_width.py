@@ -22,7 +22,8 @@ What one row runs (``--recipe``, default recipes/flash_4n.yaml, stage ``--stage`
   (``model.compile.compile_blocks``: under whole-layer recompute, the recomputed forward), to price turning it
   on; ``--compile aot_eager`` traces without generating code (a CPU check of the tracing);
 * on a GPU the elementwise chains of an eager step (RMSNorm, RoPE, the mHC mixing) as compiled regions
-  (model/regions.py), as the job runs them; ``--no-regions`` runs them eagerly (the A/B: both runs in one device session).
+  (model/regions.py), as the job runs them; ``--no-regions`` runs them eagerly (the A/B: both runs in one device
+  session).
 
 One iteration = forward + backward of the LM loss plus the aux losses (indexer KL, balance), gradients set
 to None before it; no optimizer step (benchmarks/optimizer_step.py measures it). ``--warmup`` untimed
@@ -209,7 +210,7 @@ def measure(model, batch, device, warmup: int, iters: int) -> dict:
 
 def profile(model, batch, device, top: int, sites: bool = False) -> dict:
     """One profiled iteration: GPU ms per region (:func:`region_of`), busy share, the top kernels; with ``sites``
-    also the model source lines the time was launched from (:func:`source_sites`)."""
+    also the model functions the time was launched from (:func:`source_sites`)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -323,7 +324,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--top", type=int, default=25, help="kernels (and source sites) kept per profile")
     ap.add_argument("--sites", action="store_true",
-                    help="profiles also sum the time by the model source line that launched it (a Python stack per op)")
+                    help="profiles also sum the time by the model function that launched it (a Python stack per op)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip rows that would start after this")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()

@@ -21,8 +21,6 @@ was still ~150 launches per mixing and bound the step on the host); elsewhere, a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import regions
@@ -78,8 +76,8 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
         comb [T, hc, hc] = sinkhorn(m[2hc:]*s2 + b), comb[j, k] weighs source j into stream k.
     """
     if _fused_here(x):
-        return _compiled("pre")(x, project(x.flatten(1), fn, acc_dtype(x.dtype)), scale, base, iters, hc_eps,
-                                norm_eps)
+        raw = project(x.flatten(1), fn, acc_dtype(x.dtype))
+        return regions.run(hc_pre_tail, ROW_ARGS["pre"], x, raw, scale, base, iters, hc_eps, norm_eps)
     T, hc, dim = x.shape
     flat, m = _mixes(x, fn, norm_eps)
     acc = flat.dtype
@@ -98,7 +96,7 @@ def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: t
     f [T, dim] (sub-layer output), residual [T, hc, dim] -> [T, hc, dim] in f's dtype.
     """
     if _fused_here(f):
-        return _compiled("post")(f, residual, post, comb)
+        return regions.run(hc_post_fused, ROW_ARGS["post"], f, residual, post, comb)
     return _hc_post_eager(f, residual, post, comb)
 
 
@@ -136,19 +134,12 @@ def _fused_here(t: torch.Tensor) -> bool:
 
 ROW_ARGS = {"pre": (0, 1), "post": (0, 1, 2, 3)}
 """Positions of the arguments with one row per token (dim 0 = T) of :func:`hc_pre_tail` (x, raw) and
-:func:`hc_post_fused` (f, residual, post, comb); ``scale`` and ``base`` are per-layer parameters."""
-
-
-def _compiled(which: str):
-    """The compiled :func:`hc_pre_tail` / :func:`hc_post_fused` (``regions.compile_rows_dynamic``: the rows
-    dynamic, hc and dim static; compiled with every dimension dynamic before 2026-12-05, inductor could not unroll
-    the sum over the hc = 4 streams and wrote ``sum_j comb[j, k] X_j`` as a looped reduction of 4 over
-    [T x hc x dim] outputs with symbolic div/mod indexing: ``triton_red_fused__to_copy_add_mul_sum_unsqueeze_0``,
-    281 ms in 16 calls of the 3.9 s Flash-width sparse step on the H200, where ~5 GB of traffic needs ~1.3 ms
-    per call); inside a region already being compiled (a compiled Block) the plain functions, which that region
-    fuses."""
-    fn = hc_pre_tail if which == "pre" else hc_post_fused
-    return functools.partial(regions.run, fn, ROW_ARGS[which])
+:func:`hc_post_fused` (f, residual, post, comb); ``scale`` and ``base`` are per-layer parameters. The regions
+(``regions.run``) keep only these rows dynamic: compiled with every dimension dynamic (before 2026-12-05) inductor
+could not unroll the sum over the hc = 4 streams and wrote ``sum_j comb[j, k] X_j`` as a looped reduction of 4
+over [T x hc x dim] outputs with symbolic div/mod indexing (``triton_red_fused__to_copy_add_mul_sum_unsqueeze_0``,
+281 ms in 16 calls of the 3.9 s Flash-width sparse step on the H200, where ~5 GB of traffic needs ~1.3 ms per
+call)."""
 
 
 def hc_pre_tail(x: torch.Tensor, raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,

@@ -7,13 +7,12 @@ code; a traceback is shown only when ``V4LAUNCH_DEBUG=1``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
-
-import difflib
 
 import typer
 from rich.console import Console

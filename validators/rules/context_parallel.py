@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ..derived import boundary_width, local_rows
+from ..memory_fixes import divisors
 from .base import Context, rule
+
 
 def nearest_cp(ctx: Context) -> int | None:
     """The CP size nearest the stage's (the larger of two as near) that the world splits into (it divides
@@ -15,8 +17,7 @@ def nearest_cp(ctx: Context) -> int | None:
         return None
     own = ctx.stage is not None and ctx.stage.cp is not None
     stages = [ctx.stage] if own else [st for st in r.curriculum.stages if st.cp is None]
-    fits = [d for d in range(2, world // model + 1)
-            if (world // model) % d == 0 and all(st.seq_len % d == 0 for st in stages)]
+    fits = [d for d in divisors(world // model) if d > 1 and all(st.seq_len % d == 0 for st in stages)]
     best = min(fits, key=lambda d: (abs(d - ctx.cp), -d), default=None)
     return None if best == ctx.cp else best
 
