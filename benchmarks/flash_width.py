@@ -251,7 +251,9 @@ def source_sites(events, cuda: bool) -> list[dict]:
     ``autograd.Function`` backwards and recomputed forwards do have one). Most time first:
     ``{"site": "model/common.py:71 forward", "ms", "ops": {op name: calls}}``. Needs a profile taken
     ``with_stack=True`` (its Python function events are the ops' parents)."""
-    model_dir = str(ROOT / "model") + "/"
+    import v4launch.model
+
+    model_dir = str(Path(v4launch.model.__file__).resolve().parent) + "/"  # the installed package's, not the checkout's
     totals: dict[str, dict] = {}
     for e in events:
         us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
