@@ -230,14 +230,17 @@ def on_device_count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor
     return n if isinstance(n, torch.Tensor) else torch.full((), n, dtype=torch.int64, device=device)
 
 
-_SAVED_FOR_REPLAY = contextvars.ContextVar("v4launch_saved_for_replay", default=False)
+_SAVED_FOR_REPLAY: contextvars.ContextVar[bool | None] = contextvars.ContextVar("v4launch_saved_for_replay",
+                                                                                 default=None)
+"""True in the first pass of a recomputed region, False in its replay, None outside any (:func:`saved_for_replay`)."""
 
 
 @contextlib.contextmanager
 def saved_for_replay(value: bool) -> Iterator[None]:
     """Mark the code run inside as the first pass of a recomputed region (``value`` True: what it saves for
     backward is dropped and recomputed by the replay) or as the replay itself (False). Set by
-    ``parallel/recompute.py`` around each region; read with :func:`forward_is_replayed_later`."""
+    ``parallel/recompute.py`` around each region; read with :func:`forward_is_replayed_later` and
+    :func:`forward_is_a_replay`."""
     token = _SAVED_FOR_REPLAY.set(value)
     try:
         yield
@@ -247,7 +250,14 @@ def saved_for_replay(value: bool) -> Iterator[None]:
 
 def forward_is_replayed_later() -> bool:
     """True inside the first pass of a recomputed region: its saved tensors are dropped and the region runs
-    again in backward, so work whose only product is a saved tensor (a gradient formed in the forward, as the
-    warm-up KL's ``kernels.layer._DenseKL``) can be left to the replay. It must still save tensors of the same
-    shapes and dtypes: the checkpoint matches the replay's saved tensors to the first pass's one by one."""
-    return _SAVED_FOR_REPLAY.get()
+    again in backward. The checkpoint matches the replay's saved tensors to the first pass's one by one, so
+    both passes must save tensors of the same shapes and dtypes; a product the backward needs that the replay
+    should not recompute (the warm-up KL's gradient, ``kernels.layer._DenseKL``) is kept on the autograd
+    node itself instead (a ``ctx`` attribute, outside the saved tensors)."""
+    return _SAVED_FOR_REPLAY.get() is True
+
+
+def forward_is_a_replay() -> bool:
+    """True inside the replay of a recomputed region (the checkpoint re-running it in backward): its outputs are
+    thrown away, only the tensors it saves are used, so work that saves nothing may be skipped there."""
+    return _SAVED_FOR_REPLAY.get() is False

@@ -28,6 +28,8 @@ Per decoder / MTP layer and token (bytes), by region (the names ``parallel.recom
   [2, D] in fp32: 16D; ratio 128: 8D; plus the pooled entries' norm 8D/ratio.
 * indexer (indexer.py, CSA layers in warmup/sparse): its query before and after the Hadamard rotation
   2·a·HI·dI (a·HI·dI without Hadamard), head weights 4·HI, its compressor 16·dI + 8·dI/4.
+* warm-up KL gradient (kernels path, CSA, warm-up): formed in the forward and kept to the backward, with or
+  without recompute (:func:`warmup_kl_gradient_bytes`).
 * top-k (kernels path, CSA with an indexer): the selection ``sel`` and the kernel's index table, int32:
   8k. KL (kernels path, sparse phase): teacher probabilities, log-softmax of the student (fp32) and two
   masks: 10k. On the reference path both live inside the checkpointed query chunks (not kept).
@@ -104,6 +106,17 @@ def _moe_bytes(m: ModelConfig, a: int, recompute: frozenset[str]) -> float:
     routed = e.n_activated_experts * (2 * a * d + act + a * e.moe_inter_dim)
     shared = 0 if "shared_experts" in recompute else e.n_shared_experts * (act + a * e.moe_inter_dim)
     return float(a * d + 8 * e.n_routed_experts + routed + shared)
+
+
+def warmup_kl_gradient_bytes(m: ModelConfig, ratio: int, s: "StageSetting") -> float:
+    """Bytes per local row the fused warm-up KL keeps from a CSA layer's forward to its backward (kernels path,
+    warm-up phase; ``model/kernels/layer._DenseKL`` forms the indexer's gradient in the forward, and keeps it
+    under whole-layer recompute too, where the replay skips the KL): dq a·HI·dI, dw 4·HI, and the key gradient
+    4·dI per compressed entry (all seq_len / 4 of them, CP-gathered) spread over the rows. 0 elsewhere."""
+    if not (s.kernels and s.phase == "warmup" and ratio == 4):
+        return 0.0
+    ix = m.indexer
+    return float(s.act * ix.n_heads * ix.head_dim + 4 * ix.n_heads + 4 * ix.head_dim * (s.seq_len // 4) / s.rows)
 
 
 def block_input_bytes_per_token(m: ModelConfig, act: int) -> float:

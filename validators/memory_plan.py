@@ -33,10 +33,9 @@ from functools import lru_cache
 from . import derived
 from .memory_activations import (StageSetting, attention_workspace, backward_working_set, block_input_bytes_per_token,
                                  compressed_bytes, embed_bytes_per_token, head_bytes_per_token, layer_bytes_per_token,
-                                 mtp_input_bytes_per_token,
-                                 mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token)
-from .memory_storage import stored_low as _stored_low
-from .memory_storage import training_state
+                                 mtp_embeddings_bytes_per_token, mtp_extra_bytes_per_token, mtp_input_bytes_per_token,
+                                 warmup_kl_gradient_bytes)
+from .memory_storage import stored_low as _stored_low, training_state
 from .param_count import ParamSpec, model_buffers, model_params
 from .pipeline_schedule import PlanUnavailable, in_flight_ops, stage_layers, virtual_stages
 from .recompute_policy import FULL_LAYER, RecomputeRefused, recompute_regions
@@ -232,6 +231,7 @@ def _stage_cost(m, symbols: tuple[str, ...], layers: list[int], carries_mtp_embe
             c.offloaded += mtp_input_bytes_per_token(m, s.act) * s.rows
             extra -= mtp_input_bytes_per_token(m, s.act) * s.rows
         gathered = compressed_bytes(m, ratio, s, ratio == 4 and s.phase != "dense")
+        c.activations += warmup_kl_gradient_bytes(m, ratio, s) * s.rows  # kept from forward to backward, both ways
         if full:  # the layer keeps its input streams; backward re-runs it whole, one layer at a time
             kept = block_input_bytes_per_token(m, s.act) * s.rows
             received = layer == layers[0] and "E" not in symbols  # the stage's input: the pipeline holds it

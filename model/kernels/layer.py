@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..common import acc_dtype, forward_is_replayed_later, linear, on_device_count
+from ..common import acc_dtype, forward_is_a_replay, forward_is_replayed_later, linear, on_device_count
 from ..indexer import kl_from_teacher_probs, kl_teacher_student
 from ..rope import apply_rope
 from . import reference
@@ -130,22 +130,32 @@ class _DenseKL(torch.autograd.Function):
     the forward, per chunk, as ``d KL / d student = p_s * sum(p_t) - p_t`` through the student's backward, and
     scaled by the incoming gradient in the backward: memory stays O(rows x indexer width) plus one chunk's
     [rows, entries] tables, where saving each chunk's tables for the backward would hold O(T x entries).
-    In the first pass of a recomputed region (whole-layer recompute) the gradient is left to the replay, whose
-    saved tensors the backward uses (``common.forward_is_replayed_later``): the first pass saves uninitialised
-    tensors of the same shapes, and the student's backward runs once per step instead of twice (a 4-layer,
-    64K-token warm-up step at Flash width on the H200: 7,734 -> 6,949 ms;
-    benchmarks/results/flash_width_h200_2026-12-04.md)."""
+
+    Under whole-layer recompute the first pass forms the value and the gradient and keeps the gradient on this
+    node (``ctx`` attributes: the checkpoint drops saved tensors, not those), and the replay skips the KL
+    (``common.forward_is_a_replay``; it saves nothing in either pass): the teacher and the student's forward run
+    once per step instead of twice. The replay still returns the right row count, which the layer divides by
+    (the division saves it for the backward), and a zero KL sum, which no operation of the layer saves. The cost is the gradient held from the layer's forward to its
+    backward, dq [T, HI, dI] in the indexer's dtype, dw [T, HI], d keys [C, dI] float32 (the memory plan's
+    ``memory_activations.warmup_kl_gradient_bytes``). Before (the replay formed the gradient, the first pass the
+    value alone), a 4-layer, 64K-token warm-up step at Flash width on the H200 ran the teacher and student
+    forward twice: 4,500 ms against the sparse step's 2,710 (benchmarks/results/flash_width_h200_2026-12-04.md)."""
 
     @staticmethod
     def forward(ctx, iq, iw, keys, q, kv_all, first, nvis, chunks, backend, n_kv, scale, need_grad):
+        ctx.kept = None
+        ctx.keys_dtype = keys.dtype
         total = torch.zeros((), dtype=acc_dtype(iq.dtype), device=q.device)
         count = torch.zeros((), dtype=torch.int64, device=q.device)
+        if forward_is_a_replay():  # the first pass kept the gradient on its own node (class docstring)
+            for r0, r1, _lo, _hi in chunks:  # kl_from_probs's count: the rows with a visible entry
+                count = count + (nvis[r0:r1] > 0).sum()
+            ctx.mark_non_differentiable(count)
+            return total, count
         dq = dw = dkeys = None  # the gradient, formed only when one is wanted (not under no_grad / evaluation)
         if need_grad:
-            placeholders = forward_is_replayed_later()  # the replay forms it (class docstring)
-            dq, dw = (torch.empty_like if placeholders else torch.zeros_like)(iq), torch.zeros_like(iw)
+            dq, dw = torch.zeros_like(iq), torch.zeros_like(iw)
             dkeys = torch.zeros(keys.shape, dtype=acc_dtype(keys.dtype), device=keys.device)  # summed over chunks
-            need_grad = not placeholders
         for r0, r1, lo, hi in chunks:
             sel = visible_selection(first, nvis, r0, r1, hi - lo)
             valid = sel >= 0
@@ -168,14 +178,16 @@ class _DenseKL(torch.autograd.Function):
                     g_q, g_w, g_k = torch.autograd.grad(student, leaves, p_s * p_t.sum(1, keepdim=True) - p_t)
                 dq[r0:r1], dw[r0:r1] = g_q, g_w
                 dkeys += g_k
-        ctx.save_for_backward(dq, dw, dkeys)
-        ctx.keys_dtype = keys.dtype
+        if need_grad and forward_is_replayed_later():
+            ctx.kept = (dq, dw, dkeys)  # outside the saved tensors: the checkpoint leaves them as they are
+        else:
+            ctx.save_for_backward(dq, dw, dkeys)
         ctx.mark_non_differentiable(count)
         return total, count
 
     @staticmethod
     def backward(ctx, g_total, _g_count):
-        dq, dw, dkeys = ctx.saved_tensors
+        dq, dw, dkeys = ctx.kept if ctx.kept is not None else ctx.saved_tensors
         return (g_total * dq, g_total * dw, (g_total * dkeys).to(ctx.keys_dtype),
                 *([None] * 9))
 

@@ -441,3 +441,21 @@ def test_planned_host_memory_is_what_the_offload_held_on_an_h200(row):
 
     recipe = with_edits(_measured_recipe(row), {"parallel.cpu_offloading": True})
     assert memory_plan(recipe, 0).host_offload_bytes == row["host_peak"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_fused_warmup_kl_keeps_its_gradient_from_forward_to_backward(recompute):
+    """The warm-up KL on the kernels forms the indexer's gradient in the forward (model/kernels/layer._DenseKL) and
+    keeps it to the layer's backward with or without whole-layer recompute: per CSA layer dq [T, HI, dI] bf16,
+    dw [T, HI] and the key gradient [seq_len / 4, dI] float32, on top of what the same layers keep in the sparse
+    phase (at Flash width 256 MiB per CSA layer at 16K rows). The reference path runs its KL in chunks instead."""
+    row = {"path": "triton", "L": 4, "T": 16384, "recompute": recompute}
+    warm, sparse = (memory_plan(_measured_recipe({**row, "phase": p}), 0) for p in ("warmup", "sparse"))
+    m = _measured_recipe({**row, "phase": "warmup"}).model
+    ix = m.indexer
+    per_layer = row["T"] * (2 * ix.n_heads * ix.head_dim + 4 * ix.n_heads) + 4 * ix.head_dim * row["T"] // 4
+    csa = sum(r == 4 for r in m.compress_ratios)
+    kept = warm.term("activations").bytes - sparse.term("activations").bytes
+    assert csa == 2 and kept == pytest.approx(csa * per_layer, rel=1e-9)  # the sparse KL's tables: the top-k term
+    reference = memory_plan(_measured_recipe({**row, "phase": "warmup", "path": "reference"}), 0)
+    assert reference.term("activations").bytes < warm.term("activations").bytes

@@ -12,7 +12,7 @@ import torch
 from v4_helpers import boundary_ties, fresh_gen, randomize, tiny_args
 from v4launch.model import V4Model
 from v4launch.model import model as model_module
-from v4launch.model.kernels import dispatch
+from v4launch.model.kernels import dispatch, reference
 
 
 def _batch(gen, vocab: int):
@@ -166,13 +166,14 @@ def test_fused_warmup_kl_has_the_reference_value_and_indexer_gradients(monkeypat
             assert g_fused is None or not g_fused.any(), name
 
 
-def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_pass(monkeypatch):
+def test_fused_warmup_kl_under_whole_layer_recompute_runs_teacher_and_student_once(monkeypatch):
     """Under whole-layer recompute (a non-reentrant checkpoint around each block) the fused warm-up KL forms its
-    gradient inside the forward; the student's own graph must not go through the checkpoint's saved-tensor
-    hooks, which would rerun the whole layer to unpack it (at Flash width that held the layer twice and ran out
-    of memory on an H200). One student call per chunk in the forward, one more in the backward's recompute; the
-    gradient is formed once, in the replay (the first pass's saved tensors are dropped: ``forward_is_replayed_later``),
-    not in the first pass; the same gradients as without recompute."""
+    value and gradient in the first pass and keeps the gradient on its autograd node, and the replay skips it: the
+    teacher and the student run once per chunk and step, in the forward, none in the backward's recompute (before,
+    the replay ran both again to form the gradient: at Flash width the warm-up step was 1.66x the sparse step). The
+    student's own graph must not go through the checkpoint's saved-tensor hooks, which would rerun the whole layer
+    to unpack it (at Flash width that held the layer twice and ran out of memory on an H200). The same values and
+    gradients as without recompute."""
     from v4launch.model.parallel.recompute import apply_recompute, modules_from_recipe
 
     gen = fresh_gen()
@@ -183,25 +184,34 @@ def test_fused_warmup_kl_under_whole_layer_recompute_runs_its_student_once_per_p
     recomputed.load_state_dict(plain.state_dict())
     apply_recompute(recomputed, modules_from_recipe("full", []))
     base = dispatch.select_backend("reference", "cpu")
-    calls, with_grad = [0], [0]
+    calls, with_grad, teachers = [0], [0], [0]
 
     def student(q, w, keys, sel):
         calls[0] += 1
         with_grad[0] += q.requires_grad
         return base.student_scores(q, w, keys, sel)
 
+    def teacher(q, kv, lo, n_visible, width, scale):
+        teachers[0] += 1
+        return base.head_avg_probs(q, kv, reference.range_selection(lo, n_visible, width), scale)
+
     monkeypatch.setattr(model_module, "select_backend", lambda name, device: dataclasses.replace(
-        base, name="triton", student_scores=student, dense_kl_fused=lambda *a: True))
+        base, name="triton", student_scores=student, dense_head_avg_probs=teacher,
+        dense_kl_fused=lambda *a: True))
     tokens, cu, labels = _batch(gen, args.vocab_size)
-    counts = []
+    counts, values = [], []
     for model in (plain, recomputed):
-        calls[0] = with_grad[0] = 0
+        calls[0] = with_grad[0] = teachers[0] = 0
         out = model(tokens, cu, 43, labels)
-        in_forward = calls[0], with_grad[0]
-        sum(v for k, v in out.aux_losses.items() if k.startswith("indexer_kl/")).backward()
-        counts.append((in_forward, (calls[0] - in_forward[0], with_grad[0] - in_forward[1])))
-    n = counts[0][0][0]  # one student call per chunk; each CSA layer has at least one chunk
-    assert n >= 2 and counts == [((n, n), (0, 0)), ((n, 0), (n, n))], counts
+        in_forward = calls[0], with_grad[0], teachers[0]
+        kl = {k: v for k, v in out.aux_losses.items() if k.startswith("indexer_kl/")}
+        sum(kl.values()).backward()
+        counts.append((in_forward, (calls[0] - in_forward[0], with_grad[0] - in_forward[1], teachers[0] - in_forward[2])))
+        values.append({k: v.detach() for k, v in kl.items()})
+    n = counts[0][0][0]  # one student and one teacher call per chunk; each CSA layer has at least one chunk
+    assert n >= 2 and counts == [((n, n, n), (0, 0, 0))] * 2, counts
+    for k in values[0]:
+        torch.testing.assert_close(values[1][k], values[0][k], rtol=1e-12, atol=0.0, msg=k)
     grads = dict(recomputed.named_parameters())
     for name, p in plain.named_parameters():
         if p.grad is not None:
