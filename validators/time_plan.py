@@ -77,9 +77,9 @@ CALIBRATIONS = {
     "eager_sparse": Calibration(
         "4 Flash-width layers (dim 4096, 64 heads x 512, indexer 64 x 128, CSA/HCA), the 8 of 256 routed experts one "
         "EP32 rank holds (top-6), 65,536 tokens, sparse, eager, bf16 expert weights under bf16 autocast, whole-layer "
-        "recompute, forward + backward: 3.94 s",
-        "benchmarks/results/flash_width_h200_2026-12-04_b302a4c.json rows[1].ms",
-        250.3e12, "eager runs, sparse stages", "4 Flash-width layers at 64K, sparse, eager"),
+        "recompute, forward + backward, RMSNorm / RoPE / mHC mixing as compiled regions (model/regions.py): 2.71 s",
+        "benchmarks/results/flash_width_h200_2026-12-05_4013d78.json rows[0].ms",
+        364.0e12, "eager runs, sparse stages", "4 Flash-width layers at 64K, sparse, eager"),
     "eager_dense": Calibration(
         "the same 4 Flash-width layers in the dense phase (CSA attends every visible compressed entry): 5.60 s",
         "benchmarks/results/flash_width_h200_2026-12-04_43bb3bb.json rows[3].ms",
