@@ -92,8 +92,10 @@ def region_of(kernel: str) -> str:
     return "elementwise and other"
 
 
-def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | None, backend: str, tiny: bool):
-    """The one-GPU recipe of a row (schema-validated, not rule-checked) and the source recipe's EP.
+def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | None, backend: str, tiny: bool,
+                 precision: str = "bf16"):
+    """The one-GPU recipe of a row (schema-validated, not rule-checked) and the source recipe's EP; ``precision``
+    "fp8" sets ``precision.fp8_recipe: blockwise`` (bf16: the recipe's own).
 
     Returns: (recipe, {"ep", "local_experts", "top_k", "tokens"}).
     Raises: RecipeError (v4launch.errors) for an unreadable recipe.
@@ -120,6 +122,8 @@ def bench_recipe(path: str, stage: int, phase: str, layers: int, tokens: int | N
                         "micro_batch_size": 1, "global_batch_size": 1,
                         "distributed_optimizer": False, "pp_layout": None}
     data["attention"] = {**data["attention"], "kernel_backend": backend}
+    if precision == "fp8":
+        data["precision"] = {**data["precision"], "fp8_recipe": "blockwise"}
     data["cluster"] = {**data["cluster"], "nodes": 1, "gpus_per_node": 1}
     if tiny:
         data["cluster"]["gpu"] = "cpu"
@@ -153,6 +157,10 @@ def build(recipe, device, compile_backend: str | None = None):
     if st.phase == "sparse":
         model.set_phase("sparse")
     model.to(device)
+    if recipe.precision.fp8_recipe != "none":  # before recompute and storage, as parallelize_model orders them
+        from v4launch.model.parallel.precision import apply_fp8
+
+        apply_fp8(model, recipe.precision, emulate=device.type != "cuda")
     apply_recompute(model, modules_from_recipe(recipe.parallel.recompute_granularity,
                                                recipe.parallel.recompute_modules))
     if device.type == "cuda":
@@ -272,16 +280,27 @@ def source_sites(events, cuda: bool) -> list[dict]:
     return sorted(totals.values(), key=lambda t: -t["ms"])
 
 
-def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, int, str]]:
-    """``phase:L[:backend]`` entries -> (phase, L, backend). Raises SystemExit naming ``option`` and the bad entry."""
+BACKENDS, PRECISIONS = ("triton", "reference"), ("bf16", "fp8")
+
+
+def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, int, str, str]]:
+    """``phase:L[:backend][:precision]`` entries -> (phase, L, backend, precision); backend triton (default) or
+    reference, precision bf16 (default: the recipe's) or fp8 (the recipe with ``precision.fp8_recipe:
+    blockwise``: torchao rowwise FP8 for the GEMMs the V4 policy allows, the routed experts' grouped GEMM
+    included). Raises SystemExit naming ``option`` and the bad entry."""
     rows = []
     for e in entries:
         parts = e.split(":")
-        if len(parts) not in (2, 3) or parts[0] not in ("dense", "warmup", "sparse") or not parts[1].isdigit() \
-                or int(parts[1]) < 1 or (len(parts) == 3 and parts[2] not in ("triton", "reference")):
-            raise SystemExit(f"{option} entry {e!r}: must be phase:L[:backend] with phase dense|warmup|sparse, "
-                             "L >= 1 decoder layers, backend triton|reference (e.g. sparse:4 or warmup:2:reference)")
-        rows.append((parts[0], int(parts[1]), parts[2] if len(parts) == 3 else "triton"))
+        extra = parts[2:]
+        backend = next((x for x in extra if x in BACKENDS), "triton")
+        precision = next((x for x in extra if x in PRECISIONS), "bf16")
+        if len(parts) < 2 or parts[0] not in ("dense", "warmup", "sparse") or not parts[1].isdigit() \
+                or int(parts[1]) < 1 or len(extra) > 2 or any(x not in BACKENDS + PRECISIONS for x in extra) \
+                or len(set(extra) & set(BACKENDS)) > 1 or len(set(extra) & set(PRECISIONS)) > 1:
+            raise SystemExit(f"{option} entry {e!r}: must be phase:L[:backend][:precision] with phase "
+                             "dense|warmup|sparse, L >= 1 decoder layers, backend triton|reference, precision bf16|fp8 "
+                             "(e.g. sparse:4, warmup:2:reference or sparse:4:fp8)")
+        rows.append((parts[0], int(parts[1]), backend, precision))
     return rows
 
 
@@ -289,11 +308,11 @@ def layer_rates(rows: list[dict], peak: float | None) -> list[dict]:
     """Per phase and backend, the layer pair from the rows of the fewest and most layers (the embedding, head
     and loss cancel): ms per layer, TFLOP/s and MFU of the layers alone."""
     out = []
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for r in rows:
         if "ms" in r:
-            groups.setdefault((r["phase"], r["backend"]), []).append(r)
-    for (phase, backend), rs in groups.items():
+            groups.setdefault((r["phase"], r["backend"], r.get("precision", "bf16")), []).append(r)
+    for (phase, backend, precision), rs in groups.items():
         rs.sort(key=lambda r: r["layers"])
         lo, hi = rs[0], rs[-1]
         if hi["layers"] == lo["layers"] or hi["ms"] <= lo["ms"]:
@@ -302,7 +321,7 @@ def layer_rates(rows: list[dict], peak: float | None) -> list[dict]:
         ms = (hi["ms"] - lo["ms"]) / n
         flops = (hi["flops"] - lo["flops"]) / n
         tf = flops / ms / 1e9
-        out.append({"phase": phase, "backend": backend, "from_layers": [lo["layers"], hi["layers"]],
+        out.append({"phase": phase, "backend": backend, "precision": precision, "from_layers": [lo["layers"], hi["layers"]],
                     "layer_ms": ms, "layer_flops": flops, "layer_tflops": tf,
                     "layer_mfu": tf / peak if peak else None})
     return out
@@ -331,7 +350,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     rows_wanted = parse_rows(a.rows)
-    profiled = {(p, L, b) for p, L, b in parse_rows(a.profile, "--profile")}
+    profiled = set(parse_rows(a.profile, "--profile"))
     for name, value, least in (("--iters", a.iters, 1), ("--warmup", a.warmup, 0), ("--tokens", a.tokens, 1),
                                ("--top", a.top, 1), ("--stage", a.stage, 0)):
         if value is not None and value < least:
@@ -375,14 +394,15 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "peak_tflops_sustained": peak, "rows": [], "profiles": []}
     print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
-    for phase, L, backend in rows_wanted:
-        row: dict = {"phase": phase, "layers": L, "backend": backend}
+    for phase, L, backend, precision in rows_wanted:
+        row: dict = {"phase": phase, "layers": L, "backend": backend, "precision": precision}
+        backend_shown = backend if precision == "bf16" else f"{backend}/{precision}"
         if time.perf_counter() - t_start > a.budget_s:
             row["skipped"] = f"past --budget-s {a.budget_s:.0f}"
             meta["rows"].append(row)
-            print(f"{phase:7} {L:>2} {backend:9} skipped ({row['skipped']})", flush=True)
+            print(f"{phase:7} {L:>2} {backend_shown:9} skipped ({row['skipped']})", flush=True)
             continue
-        recipe, shape = bench_recipe(a.recipe, a.stage, phase, L, a.tokens, backend, a.tiny)
+        recipe, shape = bench_recipe(a.recipe, a.stage, phase, L, a.tokens, backend, a.tiny, precision)
         row.update(shape)
         try:
             model, batch = build(recipe, device, None if a.compile == "none" else a.compile)
@@ -395,8 +415,8 @@ def main() -> None:
                 print(f"  ({phase}:{L}: {used.reason})",
                       flush=True)
             row.update(measure(model, batch, device, a.warmup, a.iters))
-            if (phase, L, backend) in profiled:
-                meta["profiles"].append({"phase": phase, "layers": L, "backend": backend,
+            if (phase, L, backend, precision) in profiled:
+                meta["profiles"].append({"phase": phase, "layers": L, "backend": backend, "precision": precision,
                                          **profile(model, batch, device, a.top, a.sites)})
         except Exception as exc:  # a row out of memory is reported; the others still run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -409,20 +429,22 @@ def main() -> None:
             tf = row["flops"] / row["ms"] / 1e9
             row.update(tokens_per_s=shape["tokens"] / row["ms"] * 1e3, tflops=tf, mfu=tf / peak if peak else None)
             mfu = f"{100 * row['mfu']:5.1f}%" if peak else "    -"
-            print(f"{phase:7} {L:>2} {backend:9} {row['ms']:9.1f} {row['tokens_per_s']:9.0f} {tf:8.1f} {mfu:>6} "
+            print(f"{phase:7} {L:>2} {backend_shown:9} {row['ms']:9.1f} {row['tokens_per_s']:9.0f} {tf:8.1f} {mfu:>6} "
                   f"{row['peak_bytes'] / GIB:9.2f}", flush=True)
         else:
-            print(f"{phase:7} {L:>2} {backend:9} {row['error'][:100]}", flush=True)
+            print(f"{phase:7} {L:>2} {backend_shown:9} {row['error'][:100]}", flush=True)
         if a.json:  # after every row: a later one may run out of memory or time
             a.json.write_text(json.dumps(meta, indent=1))
     meta["layers"] = layer_rates(meta["rows"], peak)
     for r in meta["layers"]:
         mfu = f", {100 * r['layer_mfu']:.1f}% MFU" if r["layer_mfu"] else ""
-        print(f"layers alone ({r['phase']}, {r['backend']}, L {r['from_layers'][0]} -> {r['from_layers'][1]}): "
+        print(f"layers alone ({r['phase']}, {r['backend']}, {r['precision']}, "
+              f"L {r['from_layers'][0]} -> {r['from_layers'][1]}): "
               f"{r['layer_ms']:.1f} ms per layer, {r['layer_tflops']:.1f} TFLOP/s{mfu}")
     for p in meta["profiles"]:
         busy = f"GPU busy {p['gpu_ms']:.1f} of" if device.type == "cuda" else "no GPU kernels (CPU run):"
-        print(f"\nprofile {p['phase']}:{p['layers']} ({p['backend']}): {busy} {p['wall_ms']:.1f} ms wall")
+        print(f"\nprofile {p['phase']}:{p['layers']} ({p['backend']}, {p['precision']}): {busy} "
+              f"{p['wall_ms']:.1f} ms wall")
         for name, ms in p["regions_ms"].items():
             print(f"  {name:26} {ms:9.1f} ms {100 * ms / p['gpu_ms']:5.1f}%")
         for site in p.get("sites", [])[:15]:

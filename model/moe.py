@@ -161,8 +161,50 @@ def grouped_mm_applies(x: torch.Tensor, dim: int, inter_dim: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
+def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert, each group padded with zero rows to a multiple of ``align`` rows.
+
+    Args:
+        x: [M, dim] rows, the first ``counts[0]`` for expert 0, and so on.
+        counts: [E] int64 rows per expert (on x's device).
+        align: the row multiple every group starts at (16 for the FP8 grouped GEMM's scaled operands).
+    Returns: (x_padded [P, dim], dest [M] int64: row i of x is row ``dest[i]`` of x_padded, ends [E] int32:
+        the padded group ends, the last one P). P = M + align * E rounded up to ``align``: a bound fixed by
+        the shapes (no host read of ``counts``; the last group takes the spare zero rows, which change no
+        product). Differentiable in x (``index_copy``): the padding rows get no gradient.
+    """
+    n_groups, m = counts.numel(), x.shape[0]
+    padded_counts = (counts + (align - 1)) // align * align
+    starts = torch.cumsum(counts, 0) - counts
+    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
+    p = -(-(m + align * n_groups) // align) * align
+    group_of_row = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=m)
+    dest = padded_starts[group_of_row] + torch.arange(m, device=x.device) - starts[group_of_row]
+    ends = torch.cumsum(padded_counts, 0).to(torch.int32)
+    ends[-1:] = p
+    return x.new_zeros(p, x.shape[1]).index_copy(0, dest, x), dest, ends
+
+
+def fp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """FP8 grouped GEMM with rowwise scales: a [P, K] bf16 row-major, b_t [E, K, N] column-major, ends [E] int32
+    (multiples of 16) -> [P, N] bf16. Each row of ``a`` and each output column of each expert's ``b_t`` gets a
+    power-of-two e4m3 scale; the backward quantises the output gradient the same way (torchao's
+    ``_to_fp8_rowwise_then_scaled_grouped_mm``, prototype.moe_training; ``torch._scaled_grouped_mm`` on SM90).
+
+    Raises: ImportError when torchao lacks it (``precision.apply_fp8`` checks first and says the fix).
+    """
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: PLC0415
+
+    return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, ends, out_dtype=torch.bfloat16,
+                                                  pad_token_groups_for_grouped_mm=False)
+
+
+FP8_GROUP_ALIGN = 16
+"""Rows per group multiple of the FP8 grouped GEMM (its backward's weight gradient groups along the rows)."""
+
+
 def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tensor,
-                      grouped: Optional[bool] = None) -> torch.Tensor:
+                      grouped: Optional[bool] = None, fp8: bool = False) -> torch.Tensor:
     """Unweighted SwiGLU outputs of rows grouped by expert: ``w2(swiglu(w1 x, w3 x))`` per row.
 
     Args:
@@ -172,6 +214,10 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
         grouped: True = one ``torch._grouped_mm`` per weight over the stacked expert weights
             (on the CPU it needs float32/bf16 and 16-byte aligned rows); False = a loop of
             per-expert matmuls (reads ``counts`` on the host); None = :func:`grouped_mm_applies`.
+        fp8: the grouped path's three GEMMs as :func:`fp8_grouped_mm` (rowwise e4m3, bf16 out) over the rows
+            padded per expert to :data:`FP8_GROUP_ALIGN` (:func:`pad_groups`); the SwiGLU stays float32.
+            Set by ``parallel.precision.apply_fp8`` (``MoE.fp8_experts``) under an FP8 recipe. Ignored
+            off the grouped path.
     Returns: [M, dim] in the compute dtype (x's, or autocast's). Every expert is part of
         the graph (zero rows included), so each one gets a gradient tensor; it is zero
         exactly when the expert got no rows.
@@ -187,8 +233,12 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
     def stacked(name: str) -> torch.Tensor:  # [E_l, out, in] -> [E_l, in, out] (column-major view)
         return torch.stack([getattr(e, name).weight.to(dtype) for e in experts]).transpose(-2, -1)
 
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
     xc = x.to(dtype)
+    if fp8:
+        xp, dest, ends = pad_groups(xc, counts, FP8_GROUP_ALIGN)
+        h = experts[0].activation(fp8_grouped_mm(xp, stacked("w1"), ends), fp8_grouped_mm(xp, stacked("w3"), ends))
+        return fp8_grouped_mm(h.to(dtype), stacked("w2"), ends)[dest]  # padding rows: zero in, dropped out
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
     h = experts[0].activation(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
                               torch._grouped_mm(xc, stacked("w3"), offs=offsets))  # [M, inter] acc dtype
     return torch._grouped_mm(h.to(dtype), stacked("w2"), offs=offsets)
@@ -296,6 +346,7 @@ class MoE(nn.Module):
                                if args.n_shared_experts else None)
         self.dispatcher: ExpertDispatch = SINGLE_DEVICE_EXPERTS
         self.register_buffer("expert_counts", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
+        self.fp8_experts = False  # the routed experts' grouped GEMMs in FP8 (set by parallel.precision.apply_fp8)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seg: torch.Tensor,
                 n_segments: int, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +357,7 @@ class MoE(nn.Module):
             self.expert_counts += route.counts
         xs = gather_rows(x.to(_compute_dtype(x)), route.token_of, route.slot_to_sorted, self.topk)  # [T*K, dim]
         x_local, local_counts, ctx = self.dispatcher.dispatch(xs, route.counts)
-        y_local = run_local_experts(list(self.experts.values()), x_local, local_counts)
+        y_local = run_local_experts(list(self.experts.values()), x_local, local_counts, fp8=self.fp8_experts)
         ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
         y = combine_slots(ys, route, weights)  # [T, dim] accumulation dtype
         if self.shared_experts is not None:

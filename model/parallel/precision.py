@@ -25,9 +25,10 @@ attn.indexer.weights_proj              compute dtype, fp32 out    policy.indexer
 attn.wo_a                              compute dtype              grouped output projection: an einsum over
                                                                   ``wo_a.weight``, not a Linear call (BF16 in the
                                                                   released model)
-ffn.experts.E.w1 / w2 / w3             compute dtype              routed experts run as one grouped GEMM over the
-                                                                  stacked weights (``moe.run_local_experts``):
-                                                                  Float8Linear does not reach it in this build
+ffn.experts.E.w1 / w2 / w3             fp8 (bf16 compute, SM90)   routed experts: one grouped GEMM over the stacked
+                                                                  weights (``moe.run_local_experts``), FP8 with
+                                                                  rowwise scales (torchao moe_training) whatever
+                                                                  the recipe's dense scaling; not Float8Linear
 ffn.gate (router), head                compute dtype, fp32 out    not nn.Linear calls (router logits and the fused
                                                                   head + loss read the weight)
 attn.attn_sink, compressor ape         fp32 parameters            policy.ape / policy.attn_sink (FP32-pinned)
@@ -65,6 +66,7 @@ _RECIPE_NOTE = {"delayed": "tensorwise: one scale per tensor from the current am
                 "blockwise": "rowwise: one power-of-two scale per row of each operand, not 1x128 / 128x128 blocks"}
 
 _BLOCK = re.compile(r"^(?:layers|mtp)\.\d+\.")
+_ROUTED = re.compile(r"(?:^|\.)ffn\.experts\.\d+\.w[123]$")
 _FP8_REASON = {
     "attn.wq_a": "attention projection", "attn.wq_b": "attention projection", "attn.wkv": "attention projection",
     "attn.wo_b": "attention projection", "e_proj": "MTP projection", "h_proj": "MTP projection",
@@ -73,7 +75,8 @@ _FP8_REASON = {
 }
 _FIXED_REASON = {
     "attn.wo_a": "grouped output projection: an einsum over wo_a.weight, not a Linear call (BF16 in the released model)",
-    "routed": "routed experts: one grouped GEMM over the stacked weights, which FP8 does not reach in this build",
+    "routed": "routed experts: one grouped GEMM over the stacked weights; FP8 with rowwise scales (torchao "
+              "moe_training) where apply_fp8 turned it on (MoE.fp8_experts: bf16 compute on SM90+)",
     "head": "LM head: the fused chunked head + loss reads head.weight (float32 logits)",
     "gate": "router: float32 logits from a low-precision GEMM, not a Linear call",
 }
@@ -142,13 +145,16 @@ def precision_table(model: nn.Module, filter: Fp8Filter) -> list[tuple[str, str]
     """(FQN, precision) of every GEMM weight holder and FP32-pinned parameter of ``model``, in module order.
 
     GEMMs: every ``nn.Linear`` (FP8-converted ones included) and the routers (``ffn.gate``);
-    precision "fp8", "bf16" or "fp32" (:meth:`Fp8Filter.decide`). Parameters: ``attn_sink`` and
+    precision "fp8", "bf16" or "fp32" (:meth:`Fp8Filter.decide`; routed experts "fp8" where their MoE's
+    ``fp8_experts`` is on: they are not converted modules, the grouped GEMM reads their weights). Parameters: ``attn_sink`` and
     ``ape`` (``precision.policy.attn_sink`` / ``ape``), which the model keeps float32.
     """
     rows = []
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) or fqn.endswith("ffn.gate"):
             rows.append((fqn, _converted(module) or filter.decide(fqn)[0]))
+        if _ROUTED.search(fqn) and getattr(model.get_submodule(fqn.split(".experts.")[0]), "fp8_experts", False):
+            rows[-1] = (fqn, "fp8")
         for leaf in ("attn_sink", "ape"):
             if isinstance(getattr(module, leaf, None), torch.Tensor) and leaf in module._parameters:
                 rows.append((f"{fqn}.{leaf}", str(getattr(module, leaf).dtype).removeprefix("torch.").replace(
@@ -239,11 +245,14 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
         recipe_precision: the recipe's ``precision`` section.
         emulate: torchao's emulation (FP8 rounding with high-precision GEMMs), for CPU tests only;
             without it a device lacking FP8 tensor cores is refused.
-    Returns: the FQNs of the converted modules, in module order ([] when fp8_recipe is "none").
+    Returns: the FQNs of the modules that run FP8, in module order ([] when fp8_recipe is "none"): the converted
+        ``Float8Linear`` modules and, with bf16 compute on an SM90+ GPU, every routed expert's w1 / w2 / w3,
+        whose MoE then runs its grouped GEMMs in FP8 (``MoE.fp8_experts``, ``moe.fp8_grouped_mm``).
     Raises:
         ValueError (field, value, rule, fix): :func:`check_precision_policy`; an unknown recipe or no
         torchao (:func:`torchao_config`); a device without FP8 GEMMs (V4-FP8-SM); an FP8 module whose
-        in/out features are not multiples of 16 (the FP8 GEMM's alignment).
+        in/out features are not multiples of 16 (the FP8 GEMM's alignment); on an SM90+ GPU with bf16 compute,
+        torchao without ``prototype.moe_training`` or routed experts whose widths are not multiples of 16.
     Effects: FQNs, parameters (the same ``Parameter`` objects) and state-dict keys are unchanged.
         Indexers built later by ``set_phase`` stay in the compute dtype (the policy keeps them there).
     """
@@ -266,6 +275,44 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
                              "moe_inter_dim) that are multiples of 16, or set precision.fp8_recipe=none.")
     from torchao.float8 import convert_to_float8_training  # noqa: PLC0415  (imported by torchao_config above)
 
+    moes = _fp8_expert_layers(model, filt, None if emulate or param is None else param.device)
     names = {fqn for fqn, _ in chosen}
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names, config=config)
-    return [fqn for fqn, m in model.named_modules() if _converted(m)]
+    for moe in moes:
+        moe.fp8_experts = True
+    return [fqn for fqn, m in model.named_modules() if _converted(m) or (_ROUTED.search(fqn) and fqn in _routed(moes, model))]
+
+
+def _routed(moes: list[nn.Module], model: nn.Module) -> set[str]:
+    """The FQNs of the routed experts' ``w1`` / ``w2`` / ``w3`` in ``moes`` (modules of ``model``)."""
+    ids = {id(m) for m in moes}
+    return {f"{fqn}.experts.{e}.{w}" for fqn, m in model.named_modules() if id(m) in ids
+            for e in m.experts for w in ("w1", "w2", "w3")}
+
+
+def _fp8_expert_layers(model: nn.Module, filt: Fp8Filter, device: Optional[torch.device]) -> list[nn.Module]:
+    """The MoE layers whose routed experts run the FP8 grouped GEMM (``moe.fp8_grouped_mm``): every layer with
+    routed experts when the compute dtype is bf16 on an SM90+ GPU (``torch._scaled_grouped_mm``), else none
+    (an SM89 GPU, fp32 compute, or ``device`` None: emulation on the CPU, where the grouped path does not run).
+
+    Raises:
+        ValueError (field, value, fix): torchao without ``prototype.moe_training``; an expert width (dim,
+            moe_inter_dim) that is not a multiple of 16.
+    """
+    moes = [m for m in model.modules() if hasattr(m, "fp8_experts") and len(getattr(m, "experts", ()))]
+    if (device is None or filt.compute != "bf16" or not moes
+            or torch.cuda.get_device_capability(device) < (9, 0)):
+        return []
+    try:
+        import torchao.prototype.moe_training as moe_training  # noqa: PLC0415
+        moe_training._to_fp8_rowwise_then_scaled_grouped_mm  # noqa: B018  (older torchao: no such function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"precision.fp8_recipe={filt.recipe}: the routed experts' FP8 grouped GEMM needs torchao's "
+                         f"prototype.moe_training (torchao >= 0.15), which does not import here ({exc}). Fix: pip "
+                         "install -U 'v4launch[fp8]', or set precision.fp8_recipe=none.") from None
+    w1 = next(iter(moes[0].experts.values())).w1
+    if w1.in_features % 16 or w1.out_features % 16:
+        raise ValueError(f"precision.fp8_recipe={filt.recipe}: the routed experts are {w1.in_features} -> "
+                         f"{w1.out_features} GEMMs, and the FP8 grouped GEMM needs multiples of 16. Fix: choose dim "
+                         "and moe.moe_inter_dim multiples of 16, or set precision.fp8_recipe=none.")
+    return moes

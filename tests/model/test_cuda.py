@@ -149,3 +149,64 @@ def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_
     checked[0] = True  # the job's step: no wait at all, so the host can queue it while the GPU runs the last one
     seen = host_waits(step, model_function)
     assert not seen, dict(seen)
+
+
+def test_routed_experts_fp8_grouped_gemm_tracks_float64_and_never_waits_on_the_host():
+    """The routed experts under an FP8 recipe (``run_local_experts(fp8=True)``: rows padded per expert to 16,
+    torchao's rowwise FP8 grouped GEMM, SM90): outputs and gradients within FP8's error of per-expert float64
+    matmuls, further from them than the bf16 grouped GEMM (so FP8 ran), an expert with no rows gets exactly zero
+    weight gradients, and neither pass reads anything on the host (CUDA sync debug mode: the graph capture and
+    the host's queueing ahead need that)."""
+    pytest.importorskip("torchao.prototype.moe_training")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_grouped_mm needs SM90+")
+    from v4launch.model.moe import Expert, run_local_experts
+
+    gen = fresh_gen()
+    dim, inter, n_experts = 512, 256, 4
+    experts = [Expert(dim, inter, swiglu_limit=0.0) for _ in range(n_experts)]
+    for e in experts:
+        for lin in (e.w1, e.w2, e.w3):
+            lin.weight.data = (torch.randn(lin.weight.shape, generator=gen) / lin.in_features ** 0.5).cuda().bfloat16()
+    counts = torch.randint(1, 300, (n_experts,), generator=gen)
+    counts[1] = 0
+    x0 = torch.randn(int(counts.sum()), dim, generator=gen).bfloat16()
+    dy = torch.randn(int(counts.sum()), dim, generator=gen).cuda().bfloat16()
+    start, ref_y, ref_dx, ref_dw = 0, [], [], []
+    for expert, n in zip(experts, counts.tolist()):  # the float64 reference, expert by expert
+        w = [getattr(expert, k).weight.detach().cpu().double().requires_grad_() for k in ("w1", "w3", "w2")]
+        xr = x0[start:start + n].double().requires_grad_()
+        gate, up = xr @ w[0].T, xr @ w[1].T
+        y = (gate * torch.sigmoid(gate) * up) @ w[2].T
+        (y * dy[start:start + n].cpu().double()).sum().backward()
+        ref_y.append(y.detach())
+        ref_dx.append(xr.grad)
+        ref_dw.append([wi.grad for wi in w])
+        start += n
+    ref_y, ref_dx = torch.cat(ref_y), torch.cat(ref_dx)
+
+    def rel(a, b):
+        return float((a.cpu().double() - b).norm() / b.norm())
+
+    errors = {}
+    for fp8 in (False, True):
+        for e in experts:
+            e.zero_grad(set_to_none=True)
+        x = x0.cuda().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any host read of counts raises
+        try:
+            y = run_local_experts(experts, x, counts.cuda(), grouped=True, fp8=fp8)
+            (y.float() * dy.float()).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        errors[fp8] = rel(y, ref_y)
+        assert rel(x.grad, ref_dx) <= (0.1 if fp8 else 0.02), (fp8, rel(x.grad, ref_dx))
+        for e, (expert, n) in enumerate(zip(experts, counts.tolist())):
+            for k, want in zip(("w1", "w3", "w2"), ref_dw[e]):
+                g = getattr(expert, k).weight.grad
+                assert g is not None and bool((g == 0).all()) == (n == 0), (fp8, e, k)
+                if n:
+                    assert rel(g, want) <= (0.1 if fp8 else 0.02), (fp8, e, k, rel(g, want))
+    assert errors[True] <= 0.08 and errors[False] <= 0.01, errors
+    assert errors[True] > 2 * errors[False], errors  # e4m3 rounding: the FP8 GEMM ran

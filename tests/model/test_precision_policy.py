@@ -78,6 +78,13 @@ def test_table_lists_gemms_and_fp32_pins(gen):
     text = describe_precision(model, filt)
     assert text.startswith("precision: compute bf16, fp8_recipe blockwise -> torchao rowwise")
     assert re.search(r"layers\.\*\.ffn\.experts\.\*\.w1 +bf16 x16 +routed experts: one grouped GEMM", text)
+    for moe in (m for m in model.modules() if hasattr(m, "fp8_experts")):
+        moe.fp8_experts = True  # as apply_fp8 sets it on an SM90 GPU: the grouped GEMM reads these weights in FP8
+    table = dict(precision_table(model, filt))
+    routed = [n for n in table if ".ffn.experts." in n]
+    n_routed = sum(1 for n, _ in model.named_modules() if re.search(r"ffn\.experts\.\d+$", n))  # blocks and MTP
+    assert n_routed > 16 and len(routed) == 3 * n_routed and all(table[n] == "fp8" for n in routed)
+    assert table["layers.1.ffn.shared_experts.w1"] == "fp8" and table["layers.1.attn.indexer.wq_b"] == "bf16"
     assert re.search(r"layers\.\*\.attn\.indexer\.weights_proj +bf16 x2 +indexer head-weight projection: "
                      r"precision\.policy\.indexer_weights_proj=bf16", text)
 

@@ -27,11 +27,13 @@ def _module():
 def test_tiny_cpu_run_writes_rows_and_the_layer_difference(tmp_path):
     out = tmp_path / "fw.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--rows", "sparse:2", "sparse:4",
-                           "dense:2", "--profile", "sparse:2", "--sites", "--warmup", "0", "--iters", "1", "--json", str(out)],
+                           "dense:2", "sparse:2:fp8", "--profile", "sparse:2", "--sites", "--warmup", "0", "--iters", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    rows = {(r["phase"], r["layers"]): r for r in data["rows"]}
+    fp8 = [r for r in data["rows"] if r["precision"] == "fp8"]
+    assert len(fp8) == 1 and "error" not in fp8[0] and fp8[0]["loss"] == fp8[0]["loss"]  # torchao's CPU emulation
+    rows = {(r["phase"], r["layers"]): r for r in data["rows"] if r["precision"] == "bf16"}
     assert set(rows) == {("sparse", 2), ("sparse", 4), ("dense", 2)}
     for r in rows.values():
         assert "error" not in r, r
@@ -96,10 +98,17 @@ def test_kernel_names_land_in_their_region(kernel, region):
     assert _module().region_of(kernel) == region
 
 
-@pytest.mark.parametrize("entry", ["bogus", "sparse", "sparse:0", "dense:2:cudnn", "warm:2"])
+@pytest.mark.parametrize("entry", ["bogus", "sparse", "sparse:0", "dense:2:cudnn", "warm:2", "sparse:2:fp4",
+                                   "sparse:2:fp8:bf16", "sparse:2:triton:reference", "sparse:2:fp8:triton:x"])
 def test_bad_rows_entry_is_refused_with_the_rule(entry):
-    with pytest.raises(SystemExit, match=r"--rows entry .*phase:L\[:backend\]"):
+    with pytest.raises(SystemExit, match=r"--rows entry .*phase:L\[:backend\]\[:precision\]"):
         _module().parse_rows([entry])
+
+
+def test_rows_entries_name_backend_and_precision_in_either_order():
+    assert _module().parse_rows(["sparse:4", "warmup:2:reference", "sparse:4:fp8", "dense:2:fp8:reference"]) == [
+        ("sparse", 4, "triton", "bf16"), ("warmup", 2, "reference", "bf16"), ("sparse", 4, "triton", "fp8"),
+        ("dense", 2, "reference", "fp8")]
 
 
 @pytest.mark.parametrize("args, says", [

@@ -87,8 +87,7 @@ def fp8_gemm_sizes(m) -> dict[str, int]:
     """The in/out sizes of the GEMMs the V4 policy sends to FP8 (model/parallel/precision.py fp8_module_filter)."""
     sizes = {"model.dim": m.dim, "model.q_lora_rank": m.q_lora_rank, "model.n_heads·head_dim": m.n_heads * m.head_dim,
              "model.head_dim": m.head_dim, "model.o_groups·o_lora_rank": m.o_groups * m.o_lora_rank}
-    if m.moe.n_shared_experts:
-        sizes["model.moe.moe_inter_dim"] = m.moe.moe_inter_dim
+    sizes["model.moe.moe_inter_dim"] = m.moe.moe_inter_dim  # the routed experts' FP8 grouped GEMM (and the shared)
     return sizes
 
 
@@ -102,7 +101,8 @@ def check_fp8_build(ctx: Context):
     mxfp8 is refused (torchao's MX formats are not wired; ``delayed`` runs as torchao tensorwise and
     ``blockwise`` as rowwise scaling, printed at job start); every GEMM the V4 policy sends to FP8
     (wq_a dim→q_lora_rank, wq_b q_lora_rank→n_heads·head_dim, wkv dim→head_dim, wo_b
-    o_groups·o_lora_rank→dim, the shared expert dim↔moe_inter_dim, the MTP projections dim→dim)
+    o_groups·o_lora_rank→dim, the routed experts' grouped GEMM and the shared expert dim↔moe_inter_dim, the MTP
+    projections dim→dim)
     needs both sizes to be multiples of 16.
 
     Source: model/parallel/precision.py apply_fp8; torchao float8 (convert_to_float8_training).
