@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from . import regions
 from .common import FP32Pinned, acc_dtype, linear
 from .parallel.base import SINGLE_DEVICE_EXPERTS, ExpertDispatch
 
@@ -113,14 +114,15 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
         self.limit = swiglu_limit
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """:func:`swiglu` with this expert's limit: gate, up [n, inter] -> [n, inter] accumulation dtype.
+    def activation(self, gate: torch.Tensor, up: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """:func:`swiglu` with this expert's limit: gate, up [n, inter] -> [n, inter] accumulation dtype, or
+        ``out_dtype`` (the grouped path's GEMM operand dtype: the cast fused into the same kernel on CUDA).
 
         The region Megatron's selective recompute calls ``moe_act`` (``parallel/recompute.py``
         checkpoints this method); :func:`run_local_experts` calls the first local expert's for the
         grouped path (every expert of a layer has the same limit).
         """
-        return swiglu(gate, up, self.limit)
+        return swiglu(gate, up, self.limit, out_dtype)
 
     def forward(self, x: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [n, dim], weights [n, 1] or None -> [n, dim] in x's dtype."""
@@ -130,17 +132,27 @@ class Expert(nn.Module):
         return linear(h.to(x.dtype), self.w2)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``silu(min(gate, L)) * clamp(up, -L, L)`` in the accumulation dtype (L = 0: no clamp).
 
-    gate, up [n, inter] (any float dtype) -> [n, inter] float32 (float64 for float64 input).
+    gate, up [n, inter] (any float dtype) -> [n, inter] float32 (float64 for float64 input), rounded to
+    ``out_dtype`` when given. On CUDA (``regions.fused_here``) one compiled region each way (model/regions.py):
+    the eager chain wrote five float32 [n, inter] tensors per call (the upcasts, the clamps, silu, the product)
+    and as many in the backward; at Flash width n is ~393K routed rows per layer.
     Source: upstream ``Expert.forward`` (spec §3 "Expert (SwiGLU with clamp)").
     """
+    if regions.fused_here(gate):
+        return regions.run(_swiglu, (0, 1), gate, up, float(limit), out_dtype)
+    return _swiglu(gate, up, limit, out_dtype)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
     acc = acc_dtype(gate.dtype)
     gate, up = gate.to(acc), up.to(acc)
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.silu(gate) * up
+    h = F.silu(gate) * up
+    return h if out_dtype is None else h.to(out_dtype)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -236,12 +248,13 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
     xc = x.to(dtype)
     if fp8:
         xp, dest, ends = pad_groups(xc, counts, FP8_GROUP_ALIGN)
-        h = experts[0].activation(fp8_grouped_mm(xp, stacked("w1"), ends), fp8_grouped_mm(xp, stacked("w3"), ends))
-        return fp8_grouped_mm(h.to(dtype), stacked("w2"), ends)[dest]  # padding rows: zero in, dropped out
+        h = experts[0].activation(fp8_grouped_mm(xp, stacked("w1"), ends), fp8_grouped_mm(xp, stacked("w3"), ends),
+                                  dtype)
+        return fp8_grouped_mm(h, stacked("w2"), ends)[dest]  # padding rows: zero in, dropped out
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
     h = experts[0].activation(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
-                              torch._grouped_mm(xc, stacked("w3"), offs=offsets))  # [M, inter] acc dtype
-    return torch._grouped_mm(h.to(dtype), stacked("w2"), offs=offsets)
+                              torch._grouped_mm(xc, stacked("w3"), offs=offsets), dtype)  # [M, inter] dtype
+    return torch._grouped_mm(h, stacked("w2"), offs=offsets)
 
 
 class Route(NamedTuple):

@@ -1,5 +1,5 @@
 """The compiled elementwise regions of an eager CUDA step (model/regions.py: RMSNorm, the unweighted per-head
-RMS norm, RoPE), checked on the CPU: each region is one graph for every row count with only the rows symbolic,
+RMS norm, RoPE, the experts' clamped SwiGLU), checked on the CPU: each region is one graph for every row count with only the rows symbolic,
 its values and gradients equal the eager code in float64, and the model's modules route through it where the
 regions apply (forced here on the CPU with the ``aot_eager`` backend, which traces without generating code)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4launch.model import common, regions, rope
+from v4launch.model import common, moe, regions, rope
 
 
 def _capture(graphs):
@@ -39,6 +39,8 @@ CASES = {
     "rope": (rope._rotate, (0, 1, 2), lambda T, g: (torch.randn(T, 4, 16, generator=g, dtype=torch.float64),
                                                     torch.randn(T, 4, generator=g, dtype=torch.float64),
                                                     torch.randn(T, 4, generator=g, dtype=torch.float64), True)),
+    "swiglu": (moe._swiglu, (0, 1), lambda T, g: (torch.randn(T, 16, generator=g, dtype=torch.float64),
+                                                  torch.randn(T, 16, generator=g, dtype=torch.float64), 1.5, None)),
 }
 
 
@@ -122,3 +124,26 @@ def test_the_cpu_and_float64_stay_eager():
         assert not regions._STATE["on"]
     finally:
         regions.set_fused_regions(True)
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+def test_the_experts_swiglu_routes_through_its_region_and_keeps_values_and_gradients(gen, regions_forced, limit):
+    """``Expert.activation`` (the routed experts' grouped path hands its GEMM dtype as ``out_dtype``) against
+    ``silu(min(g, L)) * clamp(u, -L, L)`` written here in float64, values and both gradients; L = 0: no clamp.
+    Inputs drawn wide (std 2) so the clamps cut."""
+    expert = moe.Expert(8, 16, swiglu_limit=limit).double()
+    gate = (2 * torch.randn(13, 16, generator=gen, dtype=torch.float64)).requires_grad_()
+    up = (2 * torch.randn(13, 16, generator=gen, dtype=torch.float64)).requires_grad_()
+    seed = torch.randn(13, 16, generator=gen, dtype=torch.float64)
+    out = expert.activation(gate, up, torch.float64)
+    got = torch.autograd.grad((out * seed).sum(), (gate, up))
+    assert set(regions_forced) == {moe._swiglu}
+    g, u = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+    gc, uc = (g.clamp(max=limit), u.clamp(-limit, limit)) if limit else (g, u)
+    want_out = gc * torch.sigmoid(gc) * uc
+    want = torch.autograd.grad((want_out * seed).sum(), (g, u))
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert out.dtype == torch.float64 and expert.activation(gate.float(), up.float(), torch.bfloat16).dtype == \
+        torch.bfloat16
