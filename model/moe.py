@@ -322,11 +322,19 @@ def combine_slots(ys: torch.Tensor, route: Route, weights: torch.Tensor) -> torc
 
     weights [T, K] routing weights (accumulation dtype) -> y [T, dim] in the weights' dtype. The
     slots are gathered back to token-major order (backward: a gather by the sort order), then
-    weighted and summed per token: no scatter, no atomics.
+    weighted and summed per token: no scatter, no atomics. On CUDA the weighted sum is a compiled region
+    (model/regions.py).
     """
     T, K = weights.shape
-    slots = _GatherRows.apply(ys, route.slot_to_sorted, route.order, 1)  # [T*K, dim] token-major
-    return (slots.view(T, K, -1) * weights[..., None]).sum(1)
+    slots = _GatherRows.apply(ys, route.slot_to_sorted, route.order, 1).view(T, K, -1)  # [T, K, dim] token-major
+    if regions.fused_here(slots):  # one reduction kernel each way: eager wrote the [T, K, dim] float32 products
+        return regions.run(_weighted_slot_sum, (0, 1), slots, weights)
+    return _weighted_slot_sum(slots, weights)
+
+
+def _weighted_slot_sum(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """slots [T, K, dim] (compute dtype), weights [T, K] -> ``sum_k w_tk slots[t, k]`` [T, dim] in weights' dtype."""
+    return (slots * weights[..., None]).sum(1)
 
 
 class MoE(nn.Module):

@@ -39,6 +39,9 @@ CASES = {
     "rope": (rope._rotate, (0, 1, 2), lambda T, g: (torch.randn(T, 4, 16, generator=g, dtype=torch.float64),
                                                     torch.randn(T, 4, generator=g, dtype=torch.float64),
                                                     torch.randn(T, 4, generator=g, dtype=torch.float64), True)),
+    "weighted_slot_sum": (moe._weighted_slot_sum, (0, 1),
+                          lambda T, g: (torch.randn(T, 3, 16, generator=g, dtype=torch.float64),
+                                        torch.rand(T, 3, generator=g, dtype=torch.float64))),
     "swiglu": (moe._swiglu, (0, 1), lambda T, g: (torch.randn(T, 16, generator=g, dtype=torch.float64),
                                                   torch.randn(T, 16, generator=g, dtype=torch.float64), 1.5, None)),
 }
@@ -147,3 +150,33 @@ def test_the_experts_swiglu_routes_through_its_region_and_keeps_values_and_gradi
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert out.dtype == torch.float64 and expert.activation(gate.float(), up.float(), torch.bfloat16).dtype == \
         torch.bfloat16
+
+
+def test_the_moe_combine_routes_through_its_region_and_keeps_values_and_gradients(gen, regions_forced):
+    """``moe.combine_slots`` (expert outputs of the sorted slots back to tokens, weighted) against the sum written
+    here slot by slot in float64: values and the gradients of the outputs and the routing weights."""
+    T, K, E, D = 9, 3, 5, 8
+    indices = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    route = moe.route_slots(indices, E)
+    ys = torch.randn(T * K, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, generator=gen, dtype=torch.float64, requires_grad=True)
+    seed = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    out = moe.combine_slots(ys, route, w)
+    got = torch.autograd.grad((out * seed).sum(), (ys, w))
+    assert set(regions_forced) == {moe._weighted_slot_sum}
+    ys2, w2 = ys.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    sorted_experts = indices.flatten().sort(stable=True)[0]
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(D, dtype=torch.float64)
+        for k in range(K):  # the slot of (t, k): the sorted position among slots of the same expert, stably
+            e = int(indices[t, k])
+            before = int((sorted_experts < e).sum())
+            rank = int(sum(1 for s in range(t * K + k) if int(indices.flatten()[s]) == e))
+            acc = acc + w2[t, k] * ys2[before + rank]
+        rows.append(acc)
+    want_out = torch.stack(rows)
+    want = torch.autograd.grad((want_out * seed).sum(), (ys2, w2))
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
