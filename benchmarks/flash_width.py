@@ -412,6 +412,7 @@ def main() -> None:
             used = select_backend(backend, device)
             if used.name != backend:  # e.g. triton on a CPU: the reference kernels run, and the row says so
                 row.update(backend_used=used.name, backend_note=used.reason)
+                backend_shown = used.name if precision == "bf16" else f"{used.name}/{precision}"  # what ran
                 print(f"  ({phase}:{L}: {used.reason})",
                       flush=True)
             row.update(measure(model, batch, device, a.warmup, a.iters))
