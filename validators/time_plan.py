@@ -77,19 +77,20 @@ CALIBRATIONS = {
     "eager_sparse": Calibration(
         "4 Flash-width layers (dim 4096, 64 heads x 512, indexer 64 x 128, CSA/HCA), the 8 of 256 routed experts one "
         "EP32 rank holds (top-6), 65,536 tokens, sparse, eager, bf16 expert weights under bf16 autocast, whole-layer "
-        "recompute, forward + backward, RMSNorm / RoPE / mHC mixing as compiled regions (model/regions.py): 2.71 s",
-        "benchmarks/results/flash_width_h200_2026-12-05_4013d78.json rows[0].ms",
-        364.0e12, "eager runs, sparse stages", "4 Flash-width layers at 64K, sparse, eager"),
+        "recompute, forward + backward, RMSNorm / RoPE / mHC mixing / SwiGLU / MoE combine as compiled regions "
+        "(model/regions.py): 2.48 s",
+        "benchmarks/results/flash_width_h200_2026-12-05_619713a.json rows[0].ms",
+        397.6e12, "eager runs, sparse stages", "4 Flash-width layers at 64K, sparse, eager"),
     "eager_dense": Calibration(
         "the same 4 Flash-width layers in the dense phase (CSA attends every visible compressed entry): 5.60 s",
         "benchmarks/results/flash_width_h200_2026-12-04_43bb3bb.json rows[3].ms",
         252.8e12, "eager runs, dense stages", "4 Flash-width layers at 64K, dense, eager"),
     "eager_warmup": Calibration(
         "the same 4 Flash-width layers in the warm-up phase on the Triton kernels (top-k attention plus the dense "
-        "KL: teacher over every visible entry read as a range, student over the same entries, layer._DenseKL): "
-        "5.70 s",
-        "benchmarks/results/flash_width_h200_2026-12-04_d49b3e8.json rows[0].ms",
-        219.5e12, "eager runs, warm-up stages", "4 Flash-width layers at 64K, warm-up, eager"),
+        "KL: teacher over every visible entry read as a range, student over the same entries, layer._DenseKL, once per "
+        "step under whole-layer recompute): 3.72 s",
+        "benchmarks/results/flash_width_h200_2026-12-05_619713a.json rows[1].ms",
+        336.3e12, "eager runs, warm-up stages", "4 Flash-width layers at 64K, warm-up, eager"),
 }
 """The H200 measurements the compute term is calibrated on (tests/validators/test_time_plan.py holds the
 plan to each file, and to the dense-phase bench file it was not fitted on, within 20%). The eager figures are
