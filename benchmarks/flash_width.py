@@ -295,8 +295,8 @@ def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, in
         backend = next((x for x in extra if x in BACKENDS), "triton")
         precision = next((x for x in extra if x in PRECISIONS), "bf16")
         if len(parts) < 2 or parts[0] not in ("dense", "warmup", "sparse") or not parts[1].isdigit() \
-                or int(parts[1]) < 1 or len(extra) > 2 or any(x not in BACKENDS + PRECISIONS for x in extra) \
-                or len(set(extra) & set(BACKENDS)) > 1 or len(set(extra) & set(PRECISIONS)) > 1:
+                or int(parts[1]) < 1 or any(x not in BACKENDS + PRECISIONS for x in extra) \
+                or sum(x in BACKENDS for x in extra) > 1 or sum(x in PRECISIONS for x in extra) > 1:
             raise SystemExit(f"{option} entry {e!r}: must be phase:L[:backend][:precision] with phase "
                              "dense|warmup|sparse, L >= 1 decoder layers, backend triton|reference, precision bf16|fp8 "
                              "(e.g. sparse:4, warmup:2:reference or sparse:4:fp8)")
@@ -304,8 +304,13 @@ def parse_rows(entries: list[str], option: str = "--rows") -> list[tuple[str, in
     return rows
 
 
+def _shown(backend: str, precision: str) -> str:
+    """The table's backend column: the kernels, and the precision when it is not bf16 (``triton/fp8``)."""
+    return backend if precision == "bf16" else f"{backend}/{precision}"
+
+
 def layer_rates(rows: list[dict], peak: float | None) -> list[dict]:
-    """Per phase and backend, the layer pair from the rows of the fewest and most layers (the embedding, head
+    """Per phase, backend and precision, the layer pair from the rows of the fewest and most layers (the embedding, head
     and loss cancel): ms per layer, TFLOP/s and MFU of the layers alone."""
     out = []
     groups: dict[tuple[str, str, str], list[dict]] = {}
@@ -396,7 +401,7 @@ def main() -> None:
     print(f"{'phase':7} {'L':>2} {'backend':9} {'ms':>9} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
     for phase, L, backend, precision in rows_wanted:
         row: dict = {"phase": phase, "layers": L, "backend": backend, "precision": precision}
-        backend_shown = backend if precision == "bf16" else f"{backend}/{precision}"
+        backend_shown = _shown(backend, precision)
         if time.perf_counter() - t_start > a.budget_s:
             row["skipped"] = f"past --budget-s {a.budget_s:.0f}"
             meta["rows"].append(row)
@@ -412,7 +417,7 @@ def main() -> None:
             used = select_backend(backend, device)
             if used.name != backend:  # e.g. triton on a CPU: the reference kernels run, and the row says so
                 row.update(backend_used=used.name, backend_note=used.reason)
-                backend_shown = used.name if precision == "bf16" else f"{used.name}/{precision}"  # what ran
+                backend_shown = _shown(used.name, precision)  # what ran
                 print(f"  ({phase}:{L}: {used.reason})",
                       flush=True)
             row.update(measure(model, batch, device, a.warmup, a.iters))

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .args import ModelArgs
 from . import regions
+from .args import ModelArgs
 from .common import FP32Pinned, acc_dtype, linear
 from .parallel.base import SINGLE_DEVICE_EXPERTS, ExpertDispatch
 
@@ -227,7 +227,7 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
             (on the CPU it needs float32/bf16 and 16-byte aligned rows); False = a loop of
             per-expert matmuls (reads ``counts`` on the host); None = :func:`grouped_mm_applies`.
         fp8: the grouped path's three GEMMs as :func:`fp8_grouped_mm` (rowwise e4m3, bf16 out) over the rows
-            padded per expert to :data:`FP8_GROUP_ALIGN` (:func:`pad_groups`); the SwiGLU stays float32.
+            padded per expert to :data:`FP8_GROUP_ALIGN` (:func:`pad_groups`); the SwiGLU computes in float32.
             Set by ``parallel.precision.apply_fp8`` (``MoE.fp8_experts``) under an FP8 recipe. Ignored
             off the grouped path.
     Returns: [M, dim] in the compute dtype (x's, or autocast's). Every expert is part of

@@ -152,14 +152,20 @@ def precision_table(model: nn.Module, filter: Fp8Filter) -> list[tuple[str, str]
     rows = []
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) or fqn.endswith("ffn.gate"):
-            rows.append((fqn, _converted(module) or filter.decide(fqn)[0]))
-        if _ROUTED.search(fqn) and getattr(model.get_submodule(fqn.split(".experts.")[0]), "fp8_experts", False):
-            rows[-1] = (fqn, "fp8")
+            rows.append((fqn, _converted(module) or _routed_fp8(model, fqn) or filter.decide(fqn)[0]))
         for leaf in ("attn_sink", "ape"):
             if isinstance(getattr(module, leaf, None), torch.Tensor) and leaf in module._parameters:
                 rows.append((f"{fqn}.{leaf}", str(getattr(module, leaf).dtype).removeprefix("torch.").replace(
                     "float", "fp")))
     return rows
+
+
+def _routed_fp8(model: nn.Module, fqn: str) -> Optional[str]:
+    """"fp8" for a routed expert's w1 / w2 / w3 whose MoE runs its grouped GEMMs in FP8 (``MoE.fp8_experts``),
+    else None."""
+    if not _ROUTED.search(fqn):
+        return None
+    return "fp8" if getattr(model.get_submodule(fqn.split(".experts.")[0]), "fp8_experts", False) else None
 
 
 def _converted(module: nn.Module) -> Optional[str]:
@@ -280,14 +286,7 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names, config=config)
     for moe in moes:
         moe.fp8_experts = True
-    return [fqn for fqn, m in model.named_modules() if _converted(m) or (_ROUTED.search(fqn) and fqn in _routed(moes, model))]
-
-
-def _routed(moes: list[nn.Module], model: nn.Module) -> set[str]:
-    """The FQNs of the routed experts' ``w1`` / ``w2`` / ``w3`` in ``moes`` (modules of ``model``)."""
-    ids = {id(m) for m in moes}
-    return {f"{fqn}.experts.{e}.{w}" for fqn, m in model.named_modules() if id(m) in ids
-            for e in m.experts for w in ("w1", "w2", "w3")}
+    return [fqn for fqn, m in model.named_modules() if _converted(m) or _routed_fp8(model, fqn)]
 
 
 def _fp8_expert_layers(model: nn.Module, filt: Fp8Filter, device: Optional[torch.device]) -> list[nn.Module]:

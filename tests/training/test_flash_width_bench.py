@@ -99,7 +99,8 @@ def test_kernel_names_land_in_their_region(kernel, region):
 
 
 @pytest.mark.parametrize("entry", ["bogus", "sparse", "sparse:0", "dense:2:cudnn", "warm:2", "sparse:2:fp4",
-                                   "sparse:2:fp8:bf16", "sparse:2:triton:reference", "sparse:2:fp8:triton:x"])
+                                   "sparse:2:fp8:bf16", "sparse:2:triton:reference", "sparse:2:fp8:triton:x",
+                                   "sparse:2:fp8:fp8"])
 def test_bad_rows_entry_is_refused_with_the_rule(entry):
     with pytest.raises(SystemExit, match=r"--rows entry .*phase:L\[:backend\]\[:precision\]"):
         _module().parse_rows([entry])
