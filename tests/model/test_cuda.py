@@ -190,13 +190,16 @@ def test_routed_experts_fp8_grouped_gemm_tracks_float64_and_never_waits_on_the_h
 
     errors = {}
     for fp8 in (False, True):
+        x, counts_dev = x0.cuda().requires_grad_(), counts.cuda()  # copies from the host: before the check
+        # a first pass compiles the regions (SwiGLU): inductor's compilation reads the device, the step does not
+        (run_local_experts(experts, x, counts_dev, grouped=True, fp8=fp8).float() * dy.float()).sum().backward()
         for e in experts:
             e.zero_grad(set_to_none=True)
-        x = x0.cuda().requires_grad_()
+        x.grad = None
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any host read of counts raises
         try:
-            y = run_local_experts(experts, x, counts.cuda(), grouped=True, fp8=fp8)
+            y = run_local_experts(experts, x, counts_dev, grouped=True, fp8=fp8)
             (y.float() * dy.float()).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
