@@ -75,7 +75,6 @@ from v4launch.model import matmul, mhc  # noqa: E402
 from v4launch.model.compile import compile_blocks  # noqa: E402
 from v4launch.training.step_profile import host_and_device_ms, host_waits  # noqa: E402
 from v4launch.validators.derived import graph_free_reason  # noqa: E402
-from v4launch.validators.schema import DEFAULT_INDEXER_LOSS  # noqa: E402
 
 RATIOS = (0, 4, 128, 4, 128, 4, 128, 4, 0)
 LAUNCH_CALLS = {"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"}
@@ -165,12 +164,11 @@ def total_loss(out):
                              for k, v in out.aux_losses.items())
 
 
-def graph_free(phase: str, path: str) -> str | None:
-    """Why ``--cuda-graph`` runs this (phase, path) without a graph (compiled only, with ``--compile``), in the
-    product's words and by its rule (``validators/derived.graph_free_reason``: the warm-up KL and the reference
-    attention read per-chunk entry ranges on the host); None: the step is captured."""
-    backend = "triton" if path == "kernels" else "reference"
-    return graph_free_reason(phase, DEFAULT_INDEXER_LOSS[phase], backend)
+def graph_free(path: str) -> str | None:
+    """Why ``--cuda-graph`` runs this path (kernels or reference) without a graph (compiled only, with ``--compile``), in the
+    product's words and by its rule (``validators/derived.graph_free_reason``: the reference attention reads
+    per-chunk entry ranges on the host; every phase on the kernels is captured); None: the step is captured."""
+    return graph_free_reason("triton" if path == "kernels" else "reference")
 
 
 def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int = 3, autocast: bool = False):
@@ -183,7 +181,9 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
     batch's tables (ids checked, the pack, RoPE and compress plans) are built once outside the graph with
     ``V4Model.batch_context`` and the step runs ``V4Model.forward_in`` on them: check_ids' host read cannot be
     captured. The tables are captured as they are (the benchmark's batch never changes); the product gives its
-    batches static shapes and copies each one's tables in (``training/graph_step.py``). ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
+    batches static shapes and copies each one's tables in (``training/graph_step.py``). The warm-up phase takes
+    the product's static tables (``static_seqlen``): its dense KL then reads its query chunks from host ints
+    (``layer.static_chunks``), where the exact tables read them on the device, which a capture forbids. ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
     """
     tokens, cu, max_seqlen, labels, _ = batch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True,
@@ -200,7 +200,8 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
         model.update_router_bias(1e-3)
     if not cuda_graph:
         return train_step
-    ctx = model.batch_context(tokens, cu, max_seqlen, labels)
+    ctx = model.batch_context(tokens, cu, max_seqlen, labels,
+                              static_seqlen=max_seqlen if model.phase == "warmup" else None)
 
     def captured_step():
         with amp():
@@ -245,7 +246,7 @@ def measure(phase: str, path: str, a, peaks: tuple[float, float]) -> dict:
     if a.compile:
         compile_blocks(model)
     flop, parts = flops_per_step(model, args, batch[4])
-    no_graph = graph_free(phase, path) if a.cuda_graph else None  # why --cuda-graph does not capture this row
+    no_graph = graph_free(path) if a.cuda_graph else None  # why --cuda-graph does not capture this row
     graph = a.cuda_graph and no_graph is None
     step = None if graph else make_step(model, batch, autocast=a.fp32_params)
     try:

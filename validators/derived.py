@@ -166,19 +166,17 @@ def pp_stage_costs(layout: str, model, seq_len: int, phase: str = "sparse", inde
 
 
 GRAPH_FREE_REASONS = {
-    "dense_kl": "its dense indexer KL reads query-chunk entry ranges on the host (kernels/layer.py warmup_chunks)",
     "reference": "the reference attention reads per-chunk entry ranges on the host",
     "cudnn": "the cudnn kernels are not checked free of host synchronisation (only triton's are)",
 }
 """Why a stage runs its step without a CUDA graph under ``compile.cuda_graph``; the job logs the same words."""
 
 
-def graph_free_reason(phase: str, indexer_loss: str | None, backend: str) -> str | None:
-    """Why a stage of ``phase`` / effective indexer-loss target / kernel backend runs eagerly under
-    ``compile.cuda_graph`` (None: its micro-batch step is captured and replayed). Shared by rule V4-CUDA-GRAPH,
-    the memory plan and the job (``training/graph_step.py``)."""
-    if backend != "triton":
-        return GRAPH_FREE_REASONS[backend]
-    if phase != "dense" and indexer_loss == "dense":
-        return GRAPH_FREE_REASONS["dense_kl"]
-    return None
+def graph_free_reason(backend: str) -> str | None:
+    """Why a stage on kernel ``backend`` runs eagerly under ``compile.cuda_graph`` (None: its micro-batch step is
+    captured and replayed), whatever its phase: on triton the warm-up's dense indexer KL reads nothing on the host
+    in a captured step (``model/kernels/layer.static_chunks``; tests/training/test_cuda_graph_step.py's warm-up
+    cases, eager and compiled, replay equal to the eager step on an H100, 2026-12-05). Shared by rule
+    V4-CUDA-GRAPH, the memory plan and the job (``training/graph_step.py``). Raises KeyError on a backend outside
+    ``GRAPH_FREE_REASONS`` and triton."""
+    return None if backend == "triton" else GRAPH_FREE_REASONS[backend]

@@ -193,8 +193,7 @@ def _setting(recipe: Recipe, index: int) -> StageSetting:
         raise PlanUnavailable(f"parallel.ep={p.ep} does not fold over dp·cp = {dp * cp} or split the experts "
                               "evenly (V4-EP-FOLD, V4-EP-EXPERTS): the experts per GPU are undefined")
     backend = st.kernel_backend or recipe.attention.kernel_backend
-    captured = recipe.compile.cuda_graph and derived.graph_free_reason(st.phase, st.effective_indexer_loss,
-                                                                       backend) is None
+    captured = recipe.compile.cuda_graph and derived.graph_free_reason(backend) is None
     return StageSetting(
         rows=p.micro_batch_size * st.seq_len // cp, seq_len=st.seq_len, cp=cp, shard=dp * cp,
         accum=max(1, recipe.stage_global_batch(st) // (p.micro_batch_size * dp)),

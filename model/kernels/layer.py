@@ -74,9 +74,9 @@ def static_chunks(T: int, rows_per: int, width: int) -> list[tuple[int, int, int
     from host ints alone: (r0, r1, 0, width) per ``rows_per`` rows, ``width`` the plan's bound on any query's
     visible entries. Unlike :func:`warmup_chunks` nothing is read from the device (a capture forbids it), so no
     chunk is trimmed to its rows' entries or skipped: the student scores ``width`` slots per row (masked past
-    each row's count); the teacher reads each row's own range. The job still runs warm-up stages eagerly (rule
-    V4-CUDA-GRAPH, ``validators/derived.graph_free_reason``) until a GPU run of the warm-up cases of
-    tests/training/test_cuda_graph_step.py shows the capture."""
+    each row's count); the teacher reads each row's own range. With it the job captures warm-up stages too (rule
+    V4-CUDA-GRAPH, ``validators/derived.graph_free_reason``): the warm-up cases of
+    tests/training/test_cuda_graph_step.py replay equal to the eager step (H100, 2026-12-05)."""
     return [(r0, min(T, r0 + rows_per), 0, width) for r0 in range(0, T, rows_per)] if width else []
 
 

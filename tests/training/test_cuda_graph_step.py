@@ -52,8 +52,9 @@ def test_replays_equal_the_eager_step(phase, compiled, accum):
     the host, rule V4-CUDA-GRAPH refuses them); ``compiled``: the blocks under torch.compile, captured with
     them (a block compiled again inside the capture fails it: the warm-up must have met every guard). ``warmup``:
     the dense KL through the Triton teacher and student on the static tables' row chunks (``layer.static_chunks``,
-    no host read) — the capture the job does not make yet: rule V4-CUDA-GRAPH keeps warm-up stages eager until
-    these cases have passed on a GPU (added 2026-12-04 without a device to run them)."""
+    no host read); both warm-up cases passed on an H100 on 2026-12-05, on which rule V4-CUDA-GRAPH lets the job
+    capture warm-up stages. The compiled cases spend ~4 min compiling there (run_h200_tests.sh's
+    PER_TEST_TIMEOUT=300 or more)."""
     gen = fresh_gen()
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
     # 16 heads of 32 and indexer heads of 32: shapes the Triton kernels take (others fall back to the reference);

@@ -29,8 +29,8 @@ each replay checks, and :meth:`CapturedStep.release` drops them when the stage e
 starts from no gradient. The loss weights are device scalars filled before each replay (the MTP weight
 drops when the LR decays).
 
-Stages that read the host inside the step (the warm-up's dense KL target; the reference and cudnn
-kernels) run eagerly: ``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule
+Stages that read the host inside the step (the reference and cudnn kernels) run eagerly; the warm-up's
+dense KL on triton does not (its query chunks come from host ints, ``model/kernels/layer.static_chunks``): ``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule
 V4-CUDA-GRAPH), the memory plan and the job all use it.
 """
 
@@ -47,7 +47,6 @@ from torch import nn
 
 from ..errors import V4LaunchError
 from ..validators.derived import graph_free_reason
-from ..validators.schema.curriculum import DEFAULT_INDEXER_LOSS
 from .step import compose_loss
 
 
@@ -215,13 +214,12 @@ def _first_failure(exc: BaseException) -> str:
 
 def stage_graph_plan(recipe: Any, plan: Any, running_backend: str, device: torch.device) -> tuple[bool, str]:
     """(capture this stage's step?, the sentence the job logs). The decision of rule V4-CUDA-GRAPH, on what the
-    job actually runs: the backend the device runs (not only the requested one) and the phase's KL target
-    (the job trains each phase's default target: ``plan.plan_curriculum`` refuses others)."""
+    job actually runs: the backend the device runs (not only the requested one)."""
     if not recipe.compile.cuda_graph:
         return False, ""
     if device.type != "cuda":
         return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: the device is {device.type}"
-    reason = graph_free_reason(plan.phase, DEFAULT_INDEXER_LOSS[plan.phase], running_backend)
+    reason = graph_free_reason(running_backend)
     if reason:
         return False, f"compile.cuda_graph: stage {plan.name} runs without a graph: {reason}"
     return True, f"compile.cuda_graph: stage {plan.name} captures one micro-batch step and replays it"

@@ -13,7 +13,8 @@ def check_cuda_graph(ctx: Context):
     """compile.cuda_graph needs one GPU per replica and bf16; each stage says whether it replays a captured step.
 
     A captured step holds one GPU's whole forward and backward: no pp, cp or ep collectives and no FSDP hooks
-    inside it. Warm-up stages with the dense KL target and stages on the reference or cudnn kernels run eagerly.
+    inside it. Stages on the reference or cudnn kernels run eagerly; on triton every phase is captured, the
+    warm-up's dense KL included (its query chunks come from host ints: model/kernels/layer.static_chunks).
 
     Source: torch.cuda.graphs (a captured region must not synchronise with the host, and its collectives
     would be replayed on fixed buffers); training/graph_step.py (what the job captures).
@@ -23,7 +24,7 @@ def check_cuda_graph(ctx: Context):
     refused = _unsupported_setting(ctx) or _split_step(ctx)
     if refused:
         return refused
-    reason = graph_free_reason(ctx.stage.phase, ctx.stage.effective_indexer_loss, ctx.backend)
+    reason = graph_free_reason(ctx.backend)
     if reason:
         return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' runs without a graph: {reason}")
     return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' replays one captured micro-batch step")
@@ -84,7 +85,7 @@ def check_cuda_graph_used(ctx: Context):
     if not r.compile.cuda_graph:
         return ctx.na("compile.cuda_graph=false")
     eager = [st.name for st in r.curriculum.stages if graph_free_reason(
-        st.phase, st.effective_indexer_loss, st.kernel_backend or r.attention.kernel_backend)]
+        st.kernel_backend or r.attention.kernel_backend)]
     if len(eager) == len(r.curriculum.stages):
         fix = ("set compile.cuda_graph=false (a CPU run has no graph to capture)" if r.cluster.gpu == "cpu"
                else "set attention.kernel_backend=triton, or compile.cuda_graph=false")
