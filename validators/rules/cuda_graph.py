@@ -7,7 +7,8 @@ from .base import Context, rule
 
 
 @rule("V4-CUDA-GRAPH", fields=("compile.cuda_graph", "precision.dtype", "parallel.cpu_offloading", "cluster.gpu", "parallel.pp",
-                               "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp"),
+                               "parallel.cp", "parallel.ep", "parallel.distributed_optimizer", "curriculum.stages.*.cp",
+                               "attention.kernel_backend", "curriculum.stages.*.kernel_backend"),
       fix="set compile.cuda_graph=false, or run the stage with pp, cp and ep 1 and without the distributed optimizer")
 def check_cuda_graph(ctx: Context):
     """compile.cuda_graph needs one GPU per replica and bf16; each stage says whether it replays a captured step.
