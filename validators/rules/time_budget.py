@@ -9,7 +9,12 @@ from .base import Context, rule
 
 
 def days(seconds: float) -> str:
-    """Seconds as the report prints a duration: '3.2 h' under two days, else '12.4 d'."""
+    """Seconds as the report prints a duration: '42 s' under two minutes, '12.5 min' under two hours, '3.2 h'
+    under two days, else '12.4 d' (a short stage read '~0.0 h')."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} d"
 
 
