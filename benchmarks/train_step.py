@@ -165,9 +165,10 @@ def total_loss(out):
 
 
 def graph_free(path: str) -> str | None:
-    """Why ``--cuda-graph`` runs this path (kernels or reference) without a graph (compiled only, with ``--compile``), in the
-    product's words and by its rule (``validators/derived.graph_free_reason``: the reference attention reads
-    per-chunk entry ranges on the host; every phase on the kernels is captured); None: the step is captured."""
+    """Why ``--cuda-graph`` runs this path (kernels or reference) without a graph (compiled only, with
+    ``--compile``), in the product's words and by its rule (``validators/derived.graph_free_reason``: the
+    reference attention reads per-chunk entry ranges on the host; every phase on the kernels is captured);
+    None: the step is captured."""
     return graph_free_reason("triton" if path == "kernels" else "reference")
 
 
@@ -183,7 +184,8 @@ def make_step(model: V4Model, batch, cuda_graph: bool = False, graph_warmup: int
     captured. The tables are captured as they are (the benchmark's batch never changes); the product gives its
     batches static shapes and copies each one's tables in (``training/graph_step.py``). The warm-up phase takes
     the product's static tables (``static_seqlen``): its dense KL then reads its query chunks from host ints
-    (``layer.static_chunks``), where the exact tables read them on the device, which a capture forbids. ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
+    (``layer.static_chunks``), where the exact tables read them on the device, which a capture forbids.
+    ``graph_warmup`` eager steps on a side stream come first (compiling, Triton's first launches).
     """
     tokens, cu, max_seqlen, labels, _ = batch
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True,

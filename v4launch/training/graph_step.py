@@ -30,8 +30,9 @@ starts from no gradient. The loss weights are device scalars filled before each 
 drops when the LR decays).
 
 Stages that read the host inside the step (the reference and cudnn kernels) run eagerly; the warm-up's
-dense KL on triton does not (its query chunks come from host ints, ``model/kernels/layer.static_chunks``): ``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule
-V4-CUDA-GRAPH), the memory plan and the job all use it.
+dense KL on triton does not (its query chunks come from host ints, ``model/kernels/layer.static_chunks``).
+``validators/derived.py`` ``graph_free_reason`` decides, and the validator (rule V4-CUDA-GRAPH), the memory
+plan and the job all use it.
 """
 
 from __future__ import annotations
