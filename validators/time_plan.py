@@ -68,6 +68,16 @@ class Calibration:
         return self.flops_per_s / H200_PEAK_FLOPS
 
 
+
+def duration_text(seconds: float) -> str:
+    """A duration (seconds) as the reports print it: '42 s' under two minutes, '6 min' under two hours, '3.2 h'
+    under two days, else '12.4 d'. Shared by V4-SLURM-SEGMENTS' notes and validate's time-plan table."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} d"
+
 CALIBRATIONS = {
     "graph": Calibration(
         "bench_h200 shape (~1.1 B, dim 1024, 16 heads), 8,192 tokens per step, sparse, compiled + CUDA graph, "

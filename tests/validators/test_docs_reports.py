@@ -56,6 +56,8 @@ def test_the_docs_have_examples_to_check():
 @pytest.mark.parametrize("doc,line,command,shown", EXAMPLES, ids=[f"{d}:{n}" for d, n, _, _ in EXAMPLES])
 def test_a_shown_report_is_what_validate_prints(doc, line, command, shown, tmp_path):
     args = shlex.split(command)[1:]
+    if len(args) < 2 or not args[1].endswith(".yaml"):
+        pytest.skip(f"{doc}:{line} validates the workspace's recipe: nothing to run from a clean folder")
     if not (REPO / args[1]).exists():
         pytest.skip(f"{doc}:{line} shows a recipe the repository does not ship ({args[1]})")
     shutil.copytree(REPO / "recipes", tmp_path / "recipes")  # the paths as shown; the workspace state lands here

@@ -220,22 +220,10 @@ def _memory_table(report: Report) -> Table | None:
     return table
 
 
-def _duration(seconds: float) -> str:
-    """A wall time as the time plan prints it: '42 s', '3.2 h', '12.4 d'."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-def _eval_time(seconds: float) -> str:
-    """The held-out evaluations' time: '7 s', '6 min', else as :func:`_duration`."""
-    return f"{seconds / 60:.0f} min" if 120 <= seconds < 7200 else _duration(seconds)
-
-
 def _time_table(report: Report) -> tuple[Table, str] | None:
     """The time plan (``validators/time_plan.py``): one row per stage and the total, then what it assumes."""
+    from ..validators.time_plan import duration_text
+
     plan = report.time
     if not plan:
         return None
@@ -246,11 +234,11 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
     for s in plan["stages"]:
         parts = " · ".join(f"{s[k]:.1f}" for k in ("compute_s", "ep_s", "cp_s", "dp_s"))
         table.add_row(s["name"], f"{s['steps']:,}", f"{s['tokens_per_step']:,}", f"{s['step_s']:.2f}", parts,
-                      f"{s['evaluations']:,} · {_eval_time(s['eval_s'])}", _duration(s["wall_s"]),
+                      f"{s['evaluations']:,} · {duration_text(s['eval_s'])}", duration_text(s["wall_s"]),
                       f"{s['gpu_hours']:,.0f}", str(s["segments"]))
     t = plan["total"]
     table.add_row(Text("total", style="bold"), f"{t['steps']:,}", "", "", "", f"{t['evaluations']:,} · "
-                  f"{_eval_time(t['eval_s'])}", Text(_duration(t["wall_s"]), style="bold"),
+                  f"{duration_text(t['eval_s'])}", Text(duration_text(t["wall_s"]), style="bold"),
                   Text(f"{t['gpu_hours']:,.0f}", style="bold"), str(t["segments"]))
     a = plan["assumptions"]
     rates = "; ".join(f"{c['achieved_fraction_of_peak']:.1%} ({c['label']})" for c in a["calibrations"])

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 from math import ceil
 
-from ..time_plan import segment_seconds, stage_time
+from ..time_plan import duration_text, segment_seconds, stage_time
 from .base import Context, rule
-
-
-def days(seconds: float) -> str:
-    """Seconds as the report prints a duration: '42 s' under two minutes, '12.5 min' under two hours, '3.2 h'
-    under two days, else '12.4 d' (a short stage read '~0.0 h')."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} d"
 
 
 @rule("V4-SLURM-SEGMENTS", fields=("slurm.max_segments", "slurm.time_min", "slurm.signal_delay_s"),
@@ -32,7 +22,7 @@ def check_segments(ctx: Context):
         return ctx.na("no time estimate (a CPU target, or DP undefined: V4-WORLD-SIZE)")
     s = ctx.recipe.slurm
     usable = segment_seconds(ctx.recipe)
-    note = f"{est.segments} segment(s) of {s.time_min} min for ~{days(est.wall_s)}"
+    note = f"{est.segments} segment(s) of {s.time_min} min for ~{duration_text(est.wall_s)}"
     if s.max_segments is None or est.segments <= s.max_segments:
         cap = "no cap" if s.max_segments is None else f"cap {s.max_segments}"
         return ctx.ok("slurm.max_segments", s.max_segments, f"{note} ({cap})")
@@ -40,7 +30,7 @@ def check_segments(ctx: Context):
     time_fix = f", or slurm.time_min={minutes} (if the partition allows jobs that long)" if minutes <= 525_600 else ""
     return ctx.finding(
         "slurm.max_segments", s.max_segments,
-        f"stage {ctx.stage.name} needs ~{days(est.wall_s)} ({est.steps} steps x {est.step_s:.1f} s, estimated): "
+        f"stage {ctx.stage.name} needs ~{duration_text(est.wall_s)} ({est.steps} steps x {est.step_s:.1f} s, estimated): "
         f"{est.segments} Slurm jobs of {usable / 60:.0f} min of training each (slurm.time_min={s.time_min} less "
         f"slurm.signal_delay_s={s.signal_delay_s} s), but slurm.max_segments={s.max_segments} stops the run "
         f"after {s.max_segments}",
