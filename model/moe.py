@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import regions
+from . import fp8_experts, regions
 from .args import ModelArgs
 from .common import FP32Pinned, acc_dtype, linear
 from .parallel.base import SINGLE_DEVICE_EXPERTS, ExpertDispatch
@@ -173,48 +173,6 @@ def grouped_mm_applies(x: torch.Tensor, dim: int, inter_dim: int) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-def pad_groups(x: torch.Tensor, counts: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows grouped by expert, each group padded with zero rows to a multiple of ``align`` rows.
-
-    Args:
-        x: [M, dim] rows, the first ``counts[0]`` for expert 0, and so on.
-        counts: [E] int64 rows per expert (on x's device).
-        align: the row multiple every group starts at (16 for the FP8 grouped GEMM's scaled operands).
-    Returns: (x_padded [P, dim], dest [M] int64: row i of x is row ``dest[i]`` of x_padded, ends [E] int32:
-        the padded group ends, the last one P). P = M + align * E rounded up to ``align``: a bound fixed by
-        the shapes (no host read of ``counts``; the last group takes the spare zero rows, which change no
-        product). Differentiable in x (``index_copy``): the padding rows get no gradient.
-    """
-    n_groups, m = counts.numel(), x.shape[0]
-    padded_counts = (counts + (align - 1)) // align * align
-    starts = torch.cumsum(counts, 0) - counts
-    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
-    p = -(-(m + align * n_groups) // align) * align
-    group_of_row = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=m)
-    dest = padded_starts[group_of_row] + torch.arange(m, device=x.device) - starts[group_of_row]
-    ends = torch.cumsum(padded_counts, 0).to(torch.int32)
-    ends[-1:] = p
-    return x.new_zeros(p, x.shape[1]).index_copy(0, dest, x), dest, ends
-
-
-def fp8_grouped_mm(a: torch.Tensor, b_t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """FP8 grouped GEMM with rowwise scales: a [P, K] bf16 row-major, b_t [E, K, N] column-major, ends [E] int32
-    (multiples of 16) -> [P, N] bf16. Each row of ``a`` and each output column of each expert's ``b_t`` gets a
-    power-of-two e4m3 scale; the backward quantises the output gradient the same way (torchao's
-    ``_to_fp8_rowwise_then_scaled_grouped_mm``, prototype.moe_training; ``torch._scaled_grouped_mm`` on SM90).
-
-    Raises: ImportError when torchao lacks it (``precision.apply_fp8`` checks first and says the fix).
-    """
-    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: PLC0415
-
-    return _to_fp8_rowwise_then_scaled_grouped_mm(a, b_t, ends, out_dtype=torch.bfloat16,
-                                                  pad_token_groups_for_grouped_mm=False)
-
-
-FP8_GROUP_ALIGN = 16
-"""Rows per group multiple of the FP8 grouped GEMM (its backward's weight gradient groups along the rows)."""
-
-
 def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tensor,
                       grouped: Optional[bool] = None, fp8: bool = False) -> torch.Tensor:
     """Unweighted SwiGLU outputs of rows grouped by expert: ``w2(swiglu(w1 x, w3 x))`` per row.
@@ -226,8 +184,9 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
         grouped: True = one ``torch._grouped_mm`` per weight over the stacked expert weights
             (on the CPU it needs float32/bf16 and 16-byte aligned rows); False = a loop of
             per-expert matmuls (reads ``counts`` on the host); None = :func:`grouped_mm_applies`.
-        fp8: the grouped path's three GEMMs as :func:`fp8_grouped_mm` (rowwise e4m3, bf16 out) over the rows
-            padded per expert to :data:`FP8_GROUP_ALIGN` (:func:`pad_groups`); the SwiGLU computes in float32.
+        fp8: the grouped path's forward and input-gradient GEMMs in e4m3 with rowwise scales
+            (``fp8_experts.fp8_expert_mlp``: w1 and w3 as one GEMM, the casts fused into the SwiGLU regions; the
+            weight gradients bf16); the SwiGLU computes in float32.
             Set by ``parallel.precision.apply_fp8`` (``MoE.fp8_experts``) under an FP8 recipe. Ignored
             off the grouped path.
     Returns: [M, dim] in the compute dtype (x's, or autocast's). Every expert is part of
@@ -242,19 +201,17 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
         return torch.cat(outs) if outs else x
     dtype = _compute_dtype(x)
 
-    def stacked(name: str) -> torch.Tensor:  # [E_l, out, in] -> [E_l, in, out] (column-major view)
-        return torch.stack([getattr(e, name).weight.to(dtype) for e in experts]).transpose(-2, -1)
+    def stacked(name: str) -> torch.Tensor:  # [E_l, out, in]
+        return torch.stack([getattr(e, name).weight.to(dtype) for e in experts])
 
     xc = x.to(dtype)
     if fp8:
-        xp, dest, ends = pad_groups(xc, counts, FP8_GROUP_ALIGN)
-        h = experts[0].activation(fp8_grouped_mm(xp, stacked("w1"), ends), fp8_grouped_mm(xp, stacked("w3"), ends),
-                                  dtype)
-        return fp8_grouped_mm(h, stacked("w2"), ends)[dest]  # padding rows: zero in, dropped out
+        w13 = torch.cat([stacked("w1"), stacked("w3")], dim=1)  # [E_l, 2 * inter, dim]: gate over up
+        return fp8_experts.fp8_expert_mlp(xc, w13, stacked("w2"), counts, experts[0].limit)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
-    h = experts[0].activation(torch._grouped_mm(xc, stacked("w1"), offs=offsets),
-                              torch._grouped_mm(xc, stacked("w3"), offs=offsets), dtype)  # [M, inter] dtype
-    return torch._grouped_mm(h, stacked("w2"), offs=offsets)
+    h = experts[0].activation(torch._grouped_mm(xc, stacked("w1").mT, offs=offsets),
+                              torch._grouped_mm(xc, stacked("w3").mT, offs=offsets), dtype)  # [M, inter] dtype
+    return torch._grouped_mm(h, stacked("w2").mT, offs=offsets)
 
 
 class Route(NamedTuple):

@@ -25,10 +25,11 @@ attn.indexer.weights_proj              compute dtype, fp32 out    policy.indexer
 attn.wo_a                              compute dtype              grouped output projection: an einsum over
                                                                   ``wo_a.weight``, not a Linear call (BF16 in the
                                                                   released model)
-ffn.experts.E.w1 / w2 / w3             fp8 (bf16 compute, SM90)   routed experts: one grouped GEMM over the stacked
-                                                                  weights (``moe.run_local_experts``), FP8 with
-                                                                  rowwise scales (torchao moe_training) whatever
-                                                                  the recipe's dense scaling; not Float8Linear
+ffn.experts.E.w1 / w2 / w3             fp8 (bf16 compute, SM90)   routed experts: grouped GEMMs over the stacked
+                                                                  weights (``moe.run_local_experts``); forward and
+                                                                  input gradients e4m3 with rowwise scales
+                                                                  (``model/fp8_experts.py``) whatever the recipe's
+                                                                  dense scaling, weight gradients bf16
 ffn.gate (router), head                compute dtype, fp32 out    not nn.Linear calls (router logits and the fused
                                                                   head + loss read the weight)
 attn.attn_sink, compressor ape         fp32 parameters            policy.ape / policy.attn_sink (FP32-pinned)
@@ -75,8 +76,9 @@ _FP8_REASON = {
 }
 _FIXED_REASON = {
     "attn.wo_a": "grouped output projection: an einsum over wo_a.weight, not a Linear call (BF16 in the released model)",
-    "routed": "routed experts: one grouped GEMM over the stacked weights; FP8 with rowwise scales (torchao "
-              "moe_training) where apply_fp8 turned it on (MoE.fp8_experts: bf16 compute on SM90+)",
+    "routed": "routed experts: grouped GEMMs over the stacked weights; forward and input gradients e4m3 with "
+              "rowwise scales, weight gradients bf16 (model/fp8_experts.py), where apply_fp8 turned it on "
+              "(MoE.fp8_experts: bf16 compute on SM90+)",
     "head": "LM head: the fused chunked head + loss reads head.weight (float32 logits)",
     "gate": "router: float32 logits from a low-precision GEMM, not a Linear call",
 }
@@ -253,12 +255,12 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
             without it a device lacking FP8 tensor cores is refused.
     Returns: the FQNs of the modules that run FP8, in module order ([] when fp8_recipe is "none"): the converted
         ``Float8Linear`` modules and, with bf16 compute on an SM90+ GPU, every routed expert's w1 / w2 / w3,
-        whose MoE then runs its grouped GEMMs in FP8 (``MoE.fp8_experts``, ``moe.fp8_grouped_mm``).
+        whose MoE then runs its grouped GEMMs in FP8 (``MoE.fp8_experts``, ``fp8_experts.fp8_expert_mlp``).
     Raises:
         ValueError (field, value, rule, fix): :func:`check_precision_policy`; an unknown recipe or no
         torchao (:func:`torchao_config`); a device without FP8 GEMMs (V4-FP8-SM); an FP8 module whose
         in/out features are not multiples of 16 (the FP8 GEMM's alignment); on an SM90+ GPU with bf16 compute,
-        torchao without ``prototype.moe_training`` or routed experts whose widths are not multiples of 16.
+        routed experts whose widths are not multiples of 16.
     Effects: FQNs, parameters (the same ``Parameter`` objects) and state-dict keys are unchanged.
         Indexers built later by ``set_phase`` stay in the compute dtype (the policy keeps them there).
     """
@@ -290,25 +292,17 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
 
 
 def _fp8_expert_layers(model: nn.Module, filt: Fp8Filter, device: Optional[torch.device]) -> list[nn.Module]:
-    """The MoE layers whose routed experts run the FP8 grouped GEMM (``moe.fp8_grouped_mm``): every layer with
+    """The MoE layers whose routed experts run the FP8 grouped GEMMs (``fp8_experts.fp8_expert_mlp``): every layer with
     routed experts when the compute dtype is bf16 on an SM90+ GPU (``torch._scaled_grouped_mm``), else none
     (an SM89 GPU, fp32 compute, or ``device`` None: emulation on the CPU, where the grouped path does not run).
 
     Raises:
-        ValueError (field, value, fix): torchao without ``prototype.moe_training``; an expert width (dim,
-            moe_inter_dim) that is not a multiple of 16.
+        ValueError (field, value, fix): an expert width (dim, moe_inter_dim) that is not a multiple of 16.
     """
     moes = [m for m in model.modules() if hasattr(m, "fp8_experts") and len(getattr(m, "experts", ()))]
     if (device is None or filt.compute != "bf16" or not moes
             or torch.cuda.get_device_capability(device) < (9, 0)):
         return []
-    try:
-        import torchao.prototype.moe_training as moe_training  # noqa: PLC0415
-        moe_training._to_fp8_rowwise_then_scaled_grouped_mm  # noqa: B018  (older torchao: no such function)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"precision.fp8_recipe={filt.recipe}: the routed experts' FP8 grouped GEMM needs torchao's "
-                         f"prototype.moe_training (torchao >= 0.15), which does not import here ({exc}). Fix: pip "
-                         "install -U 'v4launch[fp8]', or set precision.fp8_recipe=none.") from None
     w1 = next(iter(moes[0].experts.values())).w1
     if w1.in_features % 16 or w1.out_features % 16:
         raise ValueError(f"precision.fp8_recipe={filt.recipe}: the routed experts are {w1.in_features} -> "

@@ -101,29 +101,18 @@ def _experts(n, dim, inter, gen, dtype):
     return experts
 
 
-def _grouped_mm_on_16_row_groups(a, b_t, ends):
-    """Stands in for the FP8 grouped GEMM on the CPU (float32 products): the padded layout it is handed."""
-    assert ends.dtype == torch.int32 and not bool((ends % 16).any()) and int(ends[-1]) == a.shape[0], ends
-    assert a.shape[0] % 16 == 0 and b_t.stride(-2) == 1  # column-major right operand, as the FP8 kernel needs
-    return torch._grouped_mm(a, b_t, offs=ends)
-
-
-@pytest.mark.parametrize("path", ["grouped_mm", "loop", "fp8_layout"])
-def test_local_experts_match_plain_matmuls_with_an_empty_expert(path, gen, monkeypatch):
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_local_experts_match_plain_matmuls_with_an_empty_expert(path, gen):
     """float32 on the CPU: outputs and gradients of each path vs per-expert float64 matmuls.
     Expert 1 gets no rows: its weight gradients exist and are exactly zero, every other's are not.
-    ``fp8_layout``: the FP8 path's rows padded per expert to 16 (``pad_groups``) and the outputs taken
-    back, with a float32 grouped GEMM in place of the FP8 one (which needs an SM90 GPU: test_cuda.py)."""
-    from v4launch.model import moe
-
-    monkeypatch.setattr(moe, "fp8_grouped_mm", _grouped_mm_on_16_row_groups)
+    (The FP8 path: tests/model/test_fp8_experts.py.)"""
     dim, inter = 16, 32  # 16-byte aligned float32 rows, as torch._grouped_mm needs
     experts = _experts(4, dim, inter, gen, torch.float32)
     counts = torch.randint(1, 40, (4,), generator=gen)
     counts[1] = 0
     x = torch.randn(int(counts.sum()), dim, generator=gen).requires_grad_()
     dy = torch.randn(int(counts.sum()), dim, generator=gen)
-    y = run_local_experts(experts, x, counts, grouped=path != "loop", fp8=path == "fp8_layout")
+    y = run_local_experts(experts, x, counts, grouped=path != "loop")
     (y * dy).sum().backward()
     start = 0
     for e, (expert, n) in enumerate(zip(experts, counts.tolist())):
@@ -139,24 +128,6 @@ def test_local_experts_match_plain_matmuls_with_an_empty_expert(path, gen, monke
             g = getattr(expert, k).weight.grad
             assert g is not None and torch.allclose(g.double(), wr.grad, rtol=1e-4, atol=1e-5), (e, k)
             assert bool((g == 0).all()) == (n == 0), (e, k)
-
-
-def test_pad_groups_places_each_expert_at_a_16_row_boundary_without_a_host_read(gen):
-    from v4launch.model.moe import pad_groups
-
-    counts = torch.randint(0, 50, (5,), generator=gen)
-    counts[int(torch.randint(0, 5, (1,), generator=gen))] = 0
-    x = torch.randn(int(counts.sum()), 8, generator=gen)
-    xp, dest, ends = pad_groups(x, counts, 16)
-    want_ends = torch.tensor([sum(-(-c // 16) * 16 for c in counts.tolist()[:e + 1]) for e in range(5)])
-    assert ends[:-1].tolist() == want_ends[:-1].tolist() and int(ends[-1]) == xp.shape[0] >= int(want_ends[-1])
-    assert xp.shape[0] == -(-(x.shape[0] + 16 * 5) // 16) * 16  # fixed by the shapes: no read of counts
-    starts = [0] + ends[:-1].tolist()
-    rows = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts.tolist())])
-    assert torch.equal(dest, rows) and torch.equal(xp[rows], x)
-    keep = torch.ones(xp.shape[0], dtype=torch.bool)
-    keep[rows] = False
-    assert not bool(xp[keep].any())  # padding rows are zero: they add nothing to a weight gradient
 
 
 def test_grouped_and_loop_paths_agree(gen):

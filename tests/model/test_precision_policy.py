@@ -77,7 +77,7 @@ def test_table_lists_gemms_and_fp32_pins(gen):
     assert table["mtp.0.e_proj"] == "fp8" and table["layers.3.attn.compressor.wgate"] == "bf16"
     text = describe_precision(model, filt)
     assert text.startswith("precision: compute bf16, fp8_recipe blockwise -> torchao rowwise")
-    assert re.search(r"layers\.\*\.ffn\.experts\.\*\.w1 +bf16 x16 +routed experts: one grouped GEMM", text)
+    assert re.search(r"layers\.\*\.ffn\.experts\.\*\.w1 +bf16 x16 +routed experts: grouped GEMMs over the stacked", text)
     for moe in (m for m in model.modules() if hasattr(m, "fp8_experts")):
         moe.fp8_experts = True  # as apply_fp8 sets it on an SM90 GPU: the grouped GEMM reads these weights in FP8
     table = dict(precision_table(model, filt))
