@@ -78,6 +78,7 @@ def duration_text(seconds: float) -> str:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} d"
 
+
 CALIBRATIONS = {
     "graph": Calibration(
         "bench_h200 shape (~1.1 B, dim 1024, 16 heads), 8,192 tokens per step, sparse, compiled + CUDA graph, "
