@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 
@@ -71,20 +73,12 @@ def _variants(experts, limit):
 
 
 def _time(fn, iters, warmup):
-    import torch
+    """Median ms of ``iters`` calls of fn after ``warmup`` untimed ones (attention.cuda_time: CUDA events)."""
+    from attention import cuda_time  # noqa: PLC0415  (imports torch: the GPU run only)
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time(fn, iters)
 
 
 def _profile(fn):
