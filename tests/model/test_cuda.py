@@ -152,12 +152,11 @@ def test_a_bf16_training_step_on_the_triton_kernels_waits_on_the_gpu_only_where_
 
 
 def test_routed_experts_fp8_grouped_gemm_tracks_float64_and_never_waits_on_the_host():
-    """The routed experts under an FP8 recipe (``run_local_experts(fp8=True)``: rows padded per expert to 16,
-    torchao's rowwise FP8 grouped GEMM, SM90): outputs and gradients within FP8's error of per-expert float64
-    matmuls, further from them than the bf16 grouped GEMM (so FP8 ran), an expert with no rows gets exactly zero
-    weight gradients, and neither pass reads anything on the host (CUDA sync debug mode: the graph capture and
-    the host's queueing ahead need that)."""
-    pytest.importorskip("torchao.prototype.moe_training")
+    """The routed experts under an FP8 recipe (``run_local_experts(fp8=True)``: model/fp8_experts.py, rowwise
+    e4m3 ``torch._scaled_grouped_mm`` on SM90, groups of any row count): outputs and gradients within FP8's error of
+    per-expert float64 matmuls, further from them than the bf16 grouped GEMM (so FP8 ran), an expert with no rows
+    gets exactly zero weight gradients, and neither pass reads anything on the host (CUDA sync debug mode: the
+    graph capture and the host's queueing ahead need that)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._scaled_grouped_mm needs SM90+")
     from v4launch.model.moe import Expert, run_local_experts
