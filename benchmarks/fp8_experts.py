@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     variants = _variants(experts, args.limit)
     chosen = args.variants or list(variants)
     name = torch.cuda.get_device_name()
-    print(f"{name}: {args.experts} experts, {args.rows} rows, dim {args.dim}, inter {args.inter}; torch {torch.__version__}")
+    print(f"{name}: {args.experts} experts, {args.rows} rows, dim {args.dim}, inter {args.inter}; "
+          f"torch {torch.__version__}")
     print(f"{'variant':<16}{'fwd ms':>9}{'fwd+bwd ms':>12}{'vs bf16':>9}{'TFLOP/s':>9}")
     rows, base = [], None
     for key in chosen:
