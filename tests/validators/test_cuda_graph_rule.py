@@ -28,6 +28,13 @@ def test_one_gpu_bf16_recipe_passes_and_each_stage_says_whether_it_replays():
     # on the reference kernels (chunk ranges read on the host) no stage is captured, and each says why
     eager = _graph_results(validate_file(RECIPES / "bench_h200.yaml", [*GRAPH, "attention.kernel_backend=reference"]))
     assert all("runs without a graph" in r.note and "on the host" in r.note for r in eager.values()), eager
+    assert all((r.field, r.value) == ("attention.kernel_backend", "reference") for r in eager.values())
+    # a stage's own backend decides that stage alone, and its row cites that override
+    one = _graph_results(validate_file(RECIPES / "bench_h200.yaml",
+                                       [*GRAPH, "curriculum.stages.1.kernel_backend=reference"]))
+    assert (one["warmup_4k"].field, one["warmup_4k"].value) == ("curriculum.stages.1.kernel_backend", "reference")
+    assert "runs without a graph" in one["warmup_4k"].note
+    assert one["sparse_4k"].field == "compile.cuda_graph" and "replays" in one["sparse_4k"].note
 
 
 @pytest.mark.parametrize("over,field,value", [

@@ -26,8 +26,9 @@ def check_cuda_graph(ctx: Context):
     if refused:
         return refused
     reason = graph_free_reason(ctx.backend)
-    if reason:
-        return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' runs without a graph: {reason}")
+    if reason:  # the backend decided: its field (a stage's own override or the recipe-wide one) is the one to cite
+        return ctx.ok(ctx.backend_field, ctx.backend, f"stage '{ctx.stage.name}' runs without a graph under "
+                      f"compile.cuda_graph=true: {reason}")
     return ctx.ok("compile.cuda_graph", True, f"stage '{ctx.stage.name}' replays one captured micro-batch step")
 
 
