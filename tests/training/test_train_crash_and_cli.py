@@ -341,3 +341,24 @@ def test_a_damaged_metadata_file_in_the_tensor_check_is_a_refusal_not_a_tracebac
                       "--allow-layer-change", "--dry-run")
     flat = " ".join(text.split())
     assert code == 1 and f"checkpoint {ckpt} cannot be read" in flat and "--checkpoint STEP" in flat, text
+
+
+def test_summary_compares_held_out_losses_only_where_stages_read_the_same_documents():
+    """Stage-end evaluations read each stage's first held-out micro-batches at its seq_len: the summary gives the
+    change where two consecutive stage ends share a seq_len and says why not where they do not."""
+    import random
+
+    from v4launch.cli.run import held_out_lines
+
+    losses = [round(random.uniform(1.5, 3.0), 4) for _ in range(4)]
+    evals = [{"kind": "eval", "at": "stage_end", "stage": name, "phase": phase, "seq_len": seq, "lm_loss": loss}
+             for (name, phase, seq), loss in zip([("dense_512", "dense", 512), ("warmup_512", "warmup", 512),
+                                                  ("sparse_2k", "sparse", 2048)], losses)]
+    evals.insert(1, {"kind": "eval", "at": "interval", "stage": "dense_512", "seq_len": 512, "lm_loss": losses[3]})
+    lines = held_out_lines(evals)
+    assert lines[0] == f"held-out lm loss at stage end: {losses[2]:.4f} (stage sparse_2k)"
+    assert len(lines) == 5 and lines[2].split()[-1] == f"{losses[0]:.4f}"  # the interval evaluation is not listed
+    assert f"({losses[1] - losses[0]:+.4f} on the same documents)" in lines[3]
+    assert "not comparable with warmup_512: other documents, rows of 2,048 tokens, not 512" in lines[4]
+    older = [{k: v for k, v in r.items() if k != "seq_len"} for r in evals]  # records written before seq_len
+    assert held_out_lines(older) == lines[:1] and held_out_lines([]) == []

@@ -141,6 +141,32 @@ def current_timeline(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def held_out_lines(evals: list[dict[str, Any]]) -> list[str]:
+    """The summary's held-out lines: the last stage-end loss, then one line per stage end with its change from the
+    previous stage end when the two read the same documents (the same seq_len: the held-out micro-batches are the
+    stage's rows), else why the two are not comparable. Records without ``seq_len`` (older runs) give the first
+    line only. [] without evaluations."""
+    if not evals:
+        return []
+    lines = [f"held-out lm loss at stage end: {evals[-1]['lm_loss']:.4f} (stage {evals[-1]['stage']})"]
+    ends = [r for r in evals if r.get("at") == "stage_end" and r.get("seq_len")]
+    if len(ends) < 2:
+        return lines
+    lines.append("held-out lm loss at each stage end (the stage's first held-out micro-batches at its seq_len: the "
+                 "same documents only where the seq_len is the same):")
+    width = max(len(str(r["stage"])) for r in ends)
+    for prev, r in zip([None, *ends], ends):
+        head = f"  {r['stage']:<{width}}  {r.get('phase', '?'):<6}  seq_len {r['seq_len']:>7,}  {r['lm_loss']:.4f}"
+        if prev is None:
+            lines.append(head)
+        elif prev["seq_len"] == r["seq_len"]:
+            lines.append(f"{head}  ({r['lm_loss'] - prev['lm_loss']:+.4f} on the same documents)")
+        else:
+            lines.append(f"{head}  (not comparable with {prev['stage']}: other documents, rows of {r['seq_len']:,} "
+                         f"tokens, not {prev['seq_len']:,})")
+    return lines
+
+
 def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> None:
     """Final LM loss vs the unigram entropy, phase transitions, checkpoint and metrics paths, over the
     run's current history (:func:`current_timeline`)."""
@@ -163,8 +189,8 @@ def print_summary(run_dir: Path, result: Any, entropy_nats: float | None) -> Non
         OUT.console.print(line)
         sums = ", ".join(f"{k} {v:.4f}" for k, v in sorted(last.get("aux_sum", {}).items()))
         OUT.console.print(f"aux losses (raw, summed per kind): {sums or 'none'}")
-    if evals:
-        OUT.console.print(f"held-out lm loss at stage end: {evals[-1]['lm_loss']:.4f} (stage {evals[-1]['stage']})")
+    for line in held_out_lines(evals):
+        OUT.console.print(line)
     OUT.console.print("transitions: " + (", ".join(f"{p['old']} -> {p['new']} at step {p['step']}" for p in phases)
                                          or "none"))
     OUT.console.print(f"checkpoint: {result.checkpoint}")

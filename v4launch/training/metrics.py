@@ -6,8 +6,10 @@ metrics.jsonl (rank 0) holds one JSON object per line:
   "lm_loss", "aux": {name: raw}, "aux_sum": {kind: raw sum}, "aux_weighted": {kind: coeff · sum},
   "loss_weights": {kind: coeff}, "total_loss", "grad_norm", "tokens_per_s", "elapsed_s", "host_rss_gib",
   "gpu_peak_gib" (on a GPU)}``
-* ``{"kind": "eval", "at", "stage", "stage_index", "phase", "step", "step_in_stage", "lm_loss"}`` at every
-  stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``)
+* ``{"kind": "eval", "at", "stage", "stage_index", "phase", "seq_len", "step", "step_in_stage", "lm_loss"}`` at
+  every stage end (``at``: ``stage_end``) and every ``logging.eval_interval_steps`` steps of a stage (``interval``);
+  the held-out micro-batches are the stage's rows (``seq_len`` tokens each), so two evaluations read the same
+  documents exactly when their seq_len is the same
 * ``{"kind": "event", "step", "event", ...}`` for phase changes, checkpoints, stops.
 
 Rank 0 also replaces ``logs/progress.rank0.json`` after every step (:func:`progress_record`: where the step is in its

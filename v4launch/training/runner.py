@@ -521,7 +521,7 @@ class Runner:
         self.pm.reshard()
         if result:
             self.metrics.eval({"kind": "eval", "at": at, "stage": plan.name, "stage_index": plan.index,
-                               "phase": self.model.phase, "step": self.progress.step,
+                               "phase": self.model.phase, "seq_len": plan.seq_len, "step": self.progress.step,
                                "step_in_stage": self.progress.step_in_stage, **result})
 
     def stop_requested(self, stop: threading.Event) -> bool:
