@@ -70,8 +70,11 @@ class Calibration:
 
 
 def duration_text(seconds: float) -> str:
-    """A duration (seconds) as the reports print it: '42 s' under two minutes, '6 min' under two hours, '3.2 h'
-    under two days, else '12.4 d'. Shared by V4-SLURM-SEGMENTS' notes and validate's time-plan table."""
+    """A duration (seconds) as the reports print it: '0.4 s' under ten seconds (so a column of short parts does
+    not read 0 s beside a total of 1 s), '42 s' under two minutes, '6 min' under two hours, '3.2 h' under two days,
+    else '12.4 d'. Shared by V4-SLURM-SEGMENTS' notes and validate's time-plan table."""
+    if seconds < 9.95:
+        return f"{seconds:.1f} s"
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:

@@ -245,3 +245,11 @@ def test_stages_off_triton_are_said_to_be_priced_at_the_triton_kernels(in_tmp):
     assert one.to_dict()["assumptions"]["priced_as_triton"] == ["warmup_64k"]
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "curriculum.stages.1.kernel_backend=reference"])
     assert exc is None and "stage(s) warmup_64k run another kernel backend than triton" in " ".join(out.split())
+
+
+def test_durations_read_the_same_in_every_report():
+    from v4launch.validators.time_plan import duration_text
+
+    cases = {0.34: "0.3 s", 9.94: "9.9 s", 9.96: "10 s", 42.2: "42 s", 360: "6 min", 3.2 * 3600: "3.2 h",
+             12.4 * 86400: "12.4 d"}
+    assert {s: duration_text(s) for s in cases} == cases
