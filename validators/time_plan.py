@@ -320,6 +320,10 @@ class TimePlan:
     priced_as_triton: tuple[str, ...] = ()
     """Stages whose attention runs a kernel backend other than triton: priced at the calibrations, which are the
     Triton kernels' (no other backend is measured; the reference path is slower, its warm-up much slower)."""
+    fp8_recipe: str = "none"
+    """``precision.fp8_recipe``. Every calibration is a bf16 measurement, so an FP8 recipe is priced as bf16: the
+    last measurement, compiled Flash-width blocks on an H100, had FP8 1.03x faster
+    (benchmarks/results/fp8_experts_h100_2026-12-05.md), too small and too partial to calibrate on."""
 
     @property
     def wall_s(self) -> float:
@@ -343,7 +347,7 @@ class TimePlan:
                                                  for k in used],
                                 "intra_node_gb_per_s": self.intra_node_gb_per_s,
                                 "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s,
-                                "priced_as_triton": list(self.priced_as_triton)}}
+                                "priced_as_triton": list(self.priced_as_triton), "fp8_recipe": self.fp8_recipe}}
 
 
 def time_plan(recipe: Recipe) -> TimePlan | None:
@@ -355,4 +359,4 @@ def time_plan(recipe: Recipe) -> TimePlan | None:
     priced_as_triton = tuple(st.name for st in recipe.curriculum.stages
                        if (st.kernel_backend or recipe.attention.kernel_backend) != "triton")
     return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu],
-                    intra, inter, segment_seconds(recipe), priced_as_triton)
+                    intra, inter, segment_seconds(recipe), priced_as_triton, recipe.precision.fp8_recipe)

@@ -247,6 +247,18 @@ def test_stages_off_triton_are_said_to_be_priced_at_the_triton_kernels(in_tmp):
     assert exc is None and "stage(s) warmup_64k run another kernel backend than triton" in " ".join(out.split())
 
 
+def test_an_fp8_recipe_is_said_to_be_priced_as_bf16(in_tmp):
+    """Every calibration is bf16: an FP8 recipe gets the same figures, and the plan says so (JSON, CLI note)."""
+    bf16 = time_plan(load_recipe(RECIPES / "flash_4n.yaml").recipe).to_dict()
+    fp8 = time_plan(load_recipe(RECIPES / "flash_4n.yaml", ["precision.fp8_recipe=blockwise"]).recipe).to_dict()
+    assert bf16["assumptions"]["fp8_recipe"] == "none" and fp8["assumptions"]["fp8_recipe"] == "blockwise"
+    assert fp8["total"] == bf16["total"]
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise"])
+    assert exc is None and "precision.fp8_recipe=blockwise is priced as bf16" in " ".join(out.split())
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
+    assert exc is None and "priced as bf16" not in " ".join(out.split())
+
+
 def test_durations_read_the_same_in_every_report():
     from v4launch.validators.time_plan import duration_text
 
