@@ -205,6 +205,9 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
         return torch.stack([getattr(e, name).weight.to(dtype) for e in experts])
 
     xc = x.to(dtype)
+    if xc.shape[0] == 0:  # no rows reached these experts: the grouped GEMMs' weight gradients refuse zero rows
+        zero = (xc.sum() + sum(getattr(e, k).weight.sum() for e in experts for k in ("w1", "w2", "w3"))) * 0
+        return xc.new_zeros(0, experts[0].w2.weight.shape[0]) + zero.to(dtype)  # zero gradients, still in the graph
     if fp8:
         w13 = torch.cat([stacked("w1"), stacked("w3")], dim=1)  # [E_l, 2 * inter, dim]: gate over up
         return fp8_experts.fp8_expert_mlp(xc, w13, stacked("w2"), counts, experts[0].limit)

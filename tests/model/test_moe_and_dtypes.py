@@ -139,6 +139,19 @@ def test_grouped_and_loop_paths_agree(gen):
     assert run_local_experts(experts, x[:0], torch.zeros(3, dtype=torch.long), grouped=True).shape == (0, 8)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_experts_that_get_no_rows_at_all_still_get_zero_gradients(fp8, gen):
+    """An expert-parallel rank no token chose: zero rows in, zero rows out, and every expert's weights still get a
+    gradient tensor (exactly zero), as the optimizer and the gradient reductions expect."""
+    experts = _experts(3, 16, 32, gen, torch.float32)
+    x = torch.randn(0, 16, generator=gen, requires_grad=True)
+    y = run_local_experts(experts, x, torch.zeros(3, dtype=torch.long), grouped=True, fp8=fp8)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    grads = [getattr(e, k).weight.grad for e in experts for k in ("w1", "w2", "w3")]
+    assert all(g is not None and not bool(g.any()) for g in grads) and x.grad.shape == (0, 16)
+
+
 def test_moe_equals_dense_per_token_sum_and_zero_row_experts_get_zero_grads(gen):
     """float64 MoE vs y_t = shared(x_t) + sum_k w_tk expert_{i_tk}(x_t) written token by token.
     Expert 0 is never chosen (bias -1e3): its grads are exactly zero, and it is still counted (0)."""
