@@ -52,7 +52,6 @@ def _cli(*args: str) -> tuple[int, str]:
     """Run ``v4launch ARGS`` in-process; (exit code, stdout + stderr)."""
     from v4launch.cli import app
     from v4launch.errors import V4LaunchError
-    from v4launch.cli.common import report_error
     from typer.testing import CliRunner
 
     result = CliRunner().invoke(app, list(args))
