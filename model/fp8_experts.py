@@ -89,6 +89,14 @@ def _fused(fn, row_args: tuple[int, ...], *args):
     return regions.run(fn, row_args, *args) if regions.fused_here(args[0]) else fn(*args)
 
 
+def _cast_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rowwise_e4m3` of a contiguous tensor as a compiled region on CUDA (one kernel instead of the eager
+    chain's ~10 passes over a float32 copy: at Flash width a weight stack is 67M-134M elements, x 1.6G), the
+    e4m3 output made contiguous (the grouped GEMM's layout contract: row-major left, column-major right via ``.mT``)."""
+    q, scale = _fused(rowwise_e4m3, (0,), t)
+    return q.contiguous(), scale
+
+
 def _scaled_grouped_mm(aq: torch.Tensor, a_scale: torch.Tensor, bq_t: torch.Tensor, b_scale: torch.Tensor,
                        ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Grouped e4m3 GEMM, dequantised: ``(aq * a_scale) @ (bq_t * b_scale)`` per group of rows, -> out_dtype.
@@ -110,12 +118,12 @@ class Fp8ExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w13, w2, ends, limit: float):
-        dtype = x.dtype
-        xq, xs = _fused(rowwise_e4m3, (0,), x)
-        w13q, w13s = rowwise_e4m3(w13)  # [E, 2I, dim]: one scale per output column of each expert
+        dtype, x = x.dtype, x.contiguous()
+        xq, xs = _cast_rows(x)
+        w13q, w13s = _cast_rows(w13)  # [E, 2I, dim]: one scale per output column of each expert
         g13 = _scaled_grouped_mm(xq, xs, w13q.mT, w13s, ends, dtype)
         hq, hs = _fused(swiglu_e4m3, (0,), g13, float(limit))
-        w2q, w2s = rowwise_e4m3(w2)
+        w2q, w2s = _cast_rows(w2)
         ctx.save_for_backward(x, g13, w13, w2, ends)
         ctx.limit = float(limit)
         return _scaled_grouped_mm(hq, hs, w2q.mT, w2s, ends, dtype)
@@ -125,11 +133,11 @@ class Fp8ExpertMLP(torch.autograd.Function):
         x, g13, w13, w2, ends = ctx.saved_tensors
         dtype = x.dtype
         dy = dy.to(dtype).contiguous()
-        dyq, dys = _fused(rowwise_e4m3, (0,), dy)
-        w2tq, w2ts = rowwise_e4m3(w2.mT.contiguous())  # [E, inter, dim]: scales along dim, per inter column
+        dyq, dys = _cast_rows(dy)
+        w2tq, w2ts = _cast_rows(w2.mT.contiguous())  # [E, inter, dim]: scales along dim, per inter column
         dh = _scaled_grouped_mm(dyq, dys, w2tq.mT, w2ts, ends, dtype)
         dg13q, dg13s, dg13, h = _fused(swiglu_grad_e4m3, (0, 1), g13, dh, ctx.limit)
-        w13tq, w13ts = rowwise_e4m3(w13.mT.contiguous())  # [E, dim, 2I]
+        w13tq, w13ts = _cast_rows(w13.mT.contiguous())  # [E, dim, 2I]
         dx = _scaled_grouped_mm(dg13q, dg13s, w13tq.mT, w13ts, ends, dtype)
         dw13 = torch._grouped_mm(dg13.T, x, offs=ends) if ctx.needs_input_grad[1] else None  # [E, 2I, dim]
         dw2 = torch._grouped_mm(dy.T, h, offs=ends) if ctx.needs_input_grad[2] else None  # [E, dim, I]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from v4launch.model import common, moe, regions, rope
+from v4launch.model import common, fp8_experts, moe, regions, rope
 
 
 def _capture(graphs):
@@ -44,6 +44,12 @@ CASES = {
                                         torch.rand(T, 3, generator=g, dtype=torch.float64))),
     "swiglu": (moe._swiglu, (0, 1), lambda T, g: (torch.randn(T, 16, generator=g, dtype=torch.float64),
                                                   torch.randn(T, 16, generator=g, dtype=torch.float64), 1.5, None)),
+    # the FP8 experts' casts (model/fp8_experts.py): rows of x / dy, and stacks of expert weights (rows = experts)
+    "rowwise_e4m3": (fp8_experts.rowwise_e4m3, (0,), lambda T, g: (torch.randn(T, 32, generator=g),)),
+    "rowwise_e4m3_weight_stack": (fp8_experts.rowwise_e4m3, (0,), lambda T, g: (torch.randn(T, 16, 32, generator=g),)),
+    "swiglu_e4m3": (fp8_experts.swiglu_e4m3, (0,), lambda T, g: (torch.randn(T, 32, generator=g), 1.5)),
+    "swiglu_grad_e4m3": (fp8_experts.swiglu_grad_e4m3, (0, 1), lambda T, g: (torch.randn(T, 32, generator=g),
+                                                                              torch.randn(T, 16, generator=g), 1.5)),
 }
 
 
