@@ -3,20 +3,25 @@
     python benchmarks/fp8_experts.py --json $OUT/fp8_experts.json                # one H100/H200, ~1 minute
     python benchmarks/fp8_experts.py --profile                                   # + GPU time per kernel class
 
-One row = the MLP ``w2(swiglu(w1 x, w3 x))`` of the experts one EP rank holds, over the rows they receive
-(default flash_4n: 8 local experts, dim 4096, inter 2048, 65,536 tokens x top-6 / 8 experts x 8 = 393,216 rows;
-counts drawn from a multinomial around the balanced split, every group non-empty), forward and backward, the
-gradients of x and of the stacked weights; bf16 inputs, SwiGLU clamp 10 as in the recipe. Variants:
+One row = the MLP ``w2(swiglu(w1 x, w3 x))`` of the experts one EP rank holds, over the rows they receive,
+forward and backward, the gradients of x and of the stacked weights; bf16 inputs, SwiGLU clamp 10 as in the recipe.
+Default: flash_4n's 8 local experts (256 over EP32), dim 4096, inter 2048, and 393,216 rows = one 65,536-token
+sequence x top-6 (flash_width.py's convention: the rows of a CP=1 rank; flash_4n itself runs cp 4, whose ranks hold
+16,384 tokens and receive ~98K rows). Row counts per expert are drawn from a multinomial around the balanced split
+(``--rows`` small enough can leave an expert without rows). Variants (``--variants``; default all):
 
   bf16            ``moe.run_local_experts(fp8=False)``: three ``torch._grouped_mm`` (the default path)
   fp8 torchao     torchao's ``_to_fp8_rowwise_then_scaled_grouped_mm`` per weight (w1, w3, w2), the SwiGLU between
-                  as the product's compiled region (the path before ``model/fp8_experts.py``)
+                  as the product's compiled region, each expert's rows padded to 16 first (torchao's FP8 weight
+                  gradient needs it; the padding copy and the gather back are timed with it): the path before
+                  ``model/fp8_experts.py``
   fp8             ``moe.run_local_experts(fp8=True)``: ``fp8_experts.fp8_expert_mlp`` (e4m3 forward and input
                   gradients, w1 and w3 as one GEMM, the casts fused into the SwiGLU regions, bf16 weight gradients)
 
-Columns: forward ms, forward + backward ms (median of ``--iters`` after ``--warmup``, CUDA events), the speed-up
-of forward + backward over bf16, TFLOP/s (the three GEMMs' FLOPs x 3 for forward + backward over the fwd+bwd
-time). ``--profile``: one profiled iteration per variant, GPU time in GEMM kernels and in everything else.
+Columns: forward ms (under ``torch.no_grad``), forward + backward ms (each the median of ``--iters`` after
+``--warmup``, CUDA events), the speed-up of forward + backward over bf16, TFLOP/s (the three GEMMs' FLOPs x 3 for
+forward + backward over the fwd+bwd time). ``--profile``: one profiled iteration per variant, GPU time in GEMM
+kernels and in everything else.
 Raises: SystemExit without a CUDA device of compute capability 9.0+.
 """
 
@@ -29,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+VARIANTS = ("bf16", "fp8 torchao", "fp8")
 
 
 def _counts(rows: int, experts: int, seed: int):
@@ -107,16 +113,17 @@ def _profile(fn):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=393216)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--dim", type=int, default=4096)
-    p.add_argument("--inter", type=int, default=2048)
-    p.add_argument("--limit", type=float, default=10.0)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--variants", nargs="*", default=None)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--rows", type=int, default=393216, help="routed rows the rank's experts receive")
+    p.add_argument("--experts", type=int, default=8, help="local experts")
+    p.add_argument("--dim", type=int, default=4096, help="model dim (the experts' input and output width)")
+    p.add_argument("--inter", type=int, default=2048, help="moe_inter_dim")
+    p.add_argument("--limit", type=float, default=10.0, help="SwiGLU clamp (0 = none)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations (median)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
+    p.add_argument("--variants", nargs="*", default=None, choices=VARIANTS, metavar="VARIANT",
+                   help=f"any of {', '.join(repr(v) for v in VARIANTS)} (default: all)")
+    p.add_argument("--profile", action="store_true", help="one profiled iteration per variant: GEMM vs other kernels")
+    p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args(argv)
     import torch
 

@@ -1,15 +1,17 @@
 """The routed experts' SwiGLU MLP with its forward and input-gradient GEMMs in e4m3, the casts fused into producers.
 
-``y = w2(swiglu(w1 x, w3 x))`` for rows grouped by expert, in one autograd function (:class:`Fp8ExpertMLP`):
+``y = w2(swiglu(w1 x, w3 x))`` for rows grouped by expert, in one autograd function (:class:`Fp8ExpertMLP`).
+Weights as stored: w13 [E, 2*inter, dim] (each expert's w1 over its w3), w2 [E, dim, inter]. ``A @ B^T`` below
+multiplies each expert e's row group of A by B_e^T (``torch._scaled_grouped_mm`` with ``B.mT``); e4m3(B) casts each
+row of B_e (each output column of the GEMM) with its own scale:
 
-forward:   xq = e4m3(x) rowwise                      [M, dim]    (one cast: w1 and w3 run as one GEMM)
-           g13 = xq @ w13q                           [M, 2*inter] bf16   w13 = [w1; w3] stacked per expert
-           hq = e4m3(swiglu(g13)) rowwise            [M, inter]  (the SwiGLU and its cast: one compiled region)
-           y = hq @ w2q                              [M, dim] bf16
-backward:  dh = e4m3(dy) @ e4m3(w2^T)                [M, inter]
-           dg13, dg13q = swiglu'(g13, dh)            [M, 2*inter] (the SwiGLU backward recomputes h and casts dg13
-                                                                   in the same region)
-           dx = dg13q @ e4m3(w13^T)                  [M, dim]
+forward:   xq = e4m3(x) rowwise                      [M, dim]      (one cast: w1 and w3 run as one GEMM)
+           g13 = xq @ e4m3(w13)^T                    [M, 2*inter]  bf16
+           hq = e4m3(swiglu(g13)) rowwise            [M, inter]    (the SwiGLU and its cast: one compiled region)
+           y = hq @ e4m3(w2)^T                       [M, dim]      bf16
+backward:  dh = e4m3(dy) @ e4m3(w2^T)^T              [M, inter]    (w2^T cast along dim, per inter column)
+           dg13, dg13q = swiglu'(g13, dh)            [M, 2*inter]  (recomputes h and casts dg13 in the same region)
+           dx = dg13q @ e4m3(w13^T)^T                [M, dim]
            dw13 = dg13^T x, dw2 = dy^T h per expert  bf16 grouped GEMMs
 
 The four e4m3 GEMMs are ``torch._scaled_grouped_mm`` (SM90) with one power-of-two scale per row of the left
@@ -20,7 +22,8 @@ runs). The weight gradients stay bf16: in FP8 their operands need one scale per 
 and the padding's copies cost ~15 ms more per layer. What this saves over torchao's
 ``_to_fp8_rowwise_then_scaled_grouped_mm`` per weight: x is cast once instead of twice, h and dg13 are cast
 inside the SwiGLU regions that produce them instead of being written in bf16 and read back by a cast kernel, no
-padding, and only x and g13 are saved for the backward.
+padding, and of the activations only x and g13 are saved for the backward (with the bf16 weight stacks the
+caller built: ~384 MiB per layer at Flash width).
 
 Scales: ``2^floor(log2(448 / amax))`` per row (power-of-two: scaling is exact, only the e4m3 rounding errs); a
 zero row gets a finite scale and stays zero. Spec: seed 000 §9 (routed experts are FP8 GEMMs under the V4
@@ -28,7 +31,8 @@ policy); the released model's experts are e4m3 with per-block scales, which SM90
 (rowwise is the nearest it does: ``parallel/precision.py``).
 
 Off CUDA (tests) the e4m3 GEMMs run emulated: the e4m3 operands times their scales in float32 through
-``torch._grouped_mm``, so the rounding is the same and only the accumulation order differs.
+``torch._grouped_mm``, so the operands' rounding is the same; the accumulation differs (CUDA runs the kernel's fast
+accumulation, ``use_fast_accum=True``, as torchao does).
 """
 
 from __future__ import annotations

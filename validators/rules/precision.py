@@ -96,17 +96,19 @@ def fp8_gemm_sizes(m) -> dict[str, int]:
       scope="recipe", fix="set precision.fp8_recipe=none (no FP8 GEMMs); or blockwise / delayed with model dimensions "
                           "that are multiples of 16")
 def check_fp8_build(ctx: Context):
-    """FP8 runs through torchao float8 in the bundled job: no mxfp8, and FP8 GEMM sizes are multiples of 16.
+    """FP8: dense GEMMs via torchao float8, routed experts via model/fp8_experts.py; no mxfp8; sizes multiples of 16.
 
-    mxfp8 is refused (torchao's MX formats are not wired; ``delayed`` runs as torchao tensorwise and
-    ``blockwise`` as rowwise scaling, printed at job start); every GEMM the V4 policy sends to FP8
+    mxfp8 is refused (torchao's MX formats are not wired). The dense GEMMs run ``delayed`` as torchao tensorwise and
+    ``blockwise`` as rowwise scaling (printed at job start); the routed experts run rowwise e4m3 forward and
+    input-gradient GEMMs with bf16 weight gradients under either recipe (bf16 compute on SM90+,
+    model/fp8_experts.py). Every GEMM the V4 policy sends to FP8
     (wq_a dim→q_lora_rank, wq_b q_lora_rank→n_heads·head_dim, wkv dim→head_dim, wo_b
     o_groups·o_lora_rank→dim, the routed experts' grouped GEMM and the shared expert dim↔moe_inter_dim, the MTP
     projections dim→dim)
     needs both sizes to be multiples of 16.
 
-    Source: model/parallel/precision.py apply_fp8; torchao float8 (convert_to_float8_training).
-    """
+    Source: model/parallel/precision.py apply_fp8; torchao float8 (convert_to_float8_training); model/fp8_experts.py
+    (torch._scaled_grouped_mm)."""
     fp8, m = ctx.recipe.precision.fp8_recipe, ctx.recipe.model
     if fp8 == "none":
         return ctx.na("fp8_recipe=none")
@@ -120,4 +122,5 @@ def check_fp8_build(ctx: Context):
         return ctx.finding("precision.fp8_recipe", fp8, f"fp8_recipe={fp8}: FP8 GEMMs need sizes that are multiples "
                            f"of {FP8_ALIGNMENT}, and " + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not")
     runs_as = {"delayed": "tensorwise", "blockwise": "rowwise"}[fp8]
-    return ctx.ok("precision.fp8_recipe", fp8, f"runs as torchao float8 {runs_as} scaling; sizes aligned")
+    return ctx.ok("precision.fp8_recipe", fp8, f"dense GEMMs as torchao float8 {runs_as} scaling, routed experts as "
+                  "rowwise e4m3 (model/fp8_experts.py); sizes aligned")
