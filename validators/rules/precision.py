@@ -121,6 +121,7 @@ def check_fp8_build(ctx: Context):
     if bad:
         return ctx.finding("precision.fp8_recipe", fp8, f"fp8_recipe={fp8}: FP8 GEMMs need sizes that are multiples "
                            f"of {FP8_ALIGNMENT}, and " + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not")
-    runs_as = {"delayed": "tensorwise", "blockwise": "rowwise"}[fp8]
-    return ctx.ok("precision.fp8_recipe", fp8, f"dense GEMMs as torchao float8 {runs_as} scaling, routed experts as "
+    runs_as = {"delayed": "tensorwise scaling (from the current amax, no history)",
+               "blockwise": "rowwise scaling (not 1x128 / 128x128 blocks)"}[fp8]
+    return ctx.ok("precision.fp8_recipe", fp8, f"dense GEMMs as torchao float8 {runs_as}, routed experts as "
                   "rowwise e4m3 (model/fp8_experts.py); sizes aligned")
