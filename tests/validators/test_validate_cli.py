@@ -153,13 +153,18 @@ def test_bad_override_exits_2(in_tmp: Path):
     assert code == 2 and "bad override 'parallel.cp'" in err
 
 
-def test_default_recipe_from_workspace(in_tmp: Path):
+def test_default_recipe_from_workspace(in_tmp: Path, monkeypatch):
     code, _, err, _ = invoke(["validate"])
     assert code == 2 and "no recipe given" in err
     path = write_recipe(in_tmp, base())
     assert invoke(["validate", str(path)])[0] == 0
+    code, out, err, _ = invoke(["validate"])  # the recipe under the working directory: shown as typed there
+    assert code == 0 and f"recipe: {path.name} (the workspace's recorded recipe)" in " ".join(err.split())
+    (in_tmp / "sub").mkdir()
+    monkeypatch.chdir(in_tmp / "sub")  # the same workspace from a folder below it: the recipe is not under it
     code, out, err, _ = invoke(["validate"])
-    assert code == 0 and "the workspace's recorded recipe" in err and str(path.resolve()) in err
+    assert code == 0 and f"recipe: {path.resolve()} (the workspace's recorded recipe)" in " ".join(err.split())
+    monkeypatch.chdir(in_tmp)
     # a first positional with '=' that is not a file is an override, not the recipe
     code, out, err, _ = invoke(["validate", "parallel.tp=2"])
     assert code == 1 and "V4-TP-ONE" in out and "the workspace's recorded recipe" in err

@@ -149,6 +149,15 @@ def _exists(name: str) -> bool:
         return False
 
 
+def shown_path(path: Path | str) -> str:
+    """``path`` as a message shows it: relative to the working directory when it lies under it (as the user typed
+    it when validating there), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path)
+
+
 def recipe_and_overrides(workspace: Any, name: str | None, extra: list[str]) -> tuple[Path, list[str]]:
     """The recipe and overrides ``run`` / ``submit`` use, saying which on one line when the workspace chose.
 
@@ -169,7 +178,7 @@ def recipe_and_overrides(workspace: Any, name: str | None, extra: list[str]) -> 
                      "`v4launch validate RECIPE OVERRIDES --write NEW.yaml`")
         return Path(name), extra
     path = workspace.default_recipe()
-    head = f"recipe: {path} (the workspace's recipe)"
+    head = f"recipe: {shown_path(path)} (the workspace's recipe)"
     if extra and kept:
         OUT.note(f"{head} with {shlex.join(extra)}, given here: they replace the overrides it was last validated "
                  f"with ({shlex.join(kept)})")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Sequence
 import typer
 
 from ..workspace import Workspace
-from .common import OUT, CommandGroup, JsonOpt, OverridesArg
+from .common import OUT, CommandGroup, JsonOpt, OverridesArg, shown_path
 
 if TYPE_CHECKING:
     from ..validators.schema import Recipe
@@ -45,7 +45,7 @@ def load_recipe_for_data(recipe: str | None, overrides: Sequence[str]) -> Recipe
         recipe = None
     if recipe is None:
         path = Workspace.current().default_recipe()
-        OUT.note(f"using the workspace's recipe {path}")
+        OUT.note(f"using the workspace's recipe {shown_path(path)}")
         return load_recipe(path, overrides).recipe
     return load_recipe(recipe, overrides).recipe
 

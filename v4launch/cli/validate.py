@@ -16,7 +16,7 @@ from rich.text import Text
 from ..errors import RecipeError
 from .combined_fix import CombinedFix, combine
 from .fix_command import pasteable
-from .common import OUT, JsonOpt, OverridesArg, current_workspace, reader_left, split_recipe_arg
+from .common import OUT, JsonOpt, OverridesArg, current_workspace, reader_left, shown_path, split_recipe_arg
 from .report_failures import render_failures
 from .report_format import cell, header
 
@@ -75,7 +75,7 @@ def validate(recipe: RecipeArg = None, overrides: OverridesArg = None, as_json: 
     workspace = current_workspace()
     if path is None:
         path = str(workspace.default_recipe())
-        OUT.note(f"recipe: {path} (the workspace's recorded recipe)")
+        OUT.note(f"recipe: {shown_path(path)} (the workspace's recorded recipe)")
     try:
         loaded = load_recipe(path, extra)
     except RecipeError as err:
