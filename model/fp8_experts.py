@@ -48,7 +48,9 @@ E4M3_MAX = 448.0
 
 def rowwise_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., k] (any float dtype) -> (q [..., k] e4m3, dequantisation scale [...] float32): one power-of-two
-    scale per row (last dimension), ``q * scale[..., None]`` ~ x. An all-zero row stays zero, with a finite scale."""
+    scale per row (last dimension), ``q * scale[..., None]`` ~ x. An all-zero row stays zero, with a finite scale.
+    The scale is ``2^floor(log2(448 / amax))``, so the row's amax lands in [224, 448] (e4m3's largest finite value is
+    448). Source: the rowwise recipe of torchao's float8 training (power-of-two scales rounded down)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1).clamp(min=1e-30)
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
@@ -166,6 +168,7 @@ def fp8_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts:
         limit: the SwiGLU clamp L (0 = none).
     Returns: [M, dim] in x's dtype. An expert with no rows gets weight gradients that are exactly zero.
     Raises: ValueError for widths that are not multiples of 16 (the e4m3 GEMM's alignment).
+    Source: seed 000 §9 (routed experts are FP8 GEMMs under the V4 policy); the math is ``moe.Expert``'s.
     """
     if x.shape[-1] % 16 or w2.shape[-1] % 16:
         raise ValueError(f"FP8 grouped GEMMs need widths that are multiples of 16: dim {x.shape[-1]}, "

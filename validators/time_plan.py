@@ -82,6 +82,11 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} d"
 
 
+FP8_AS_BF16 = ("every calibration is bf16; FP8 measured 1.03x faster on compiled Flash-width blocks, H100 "
+               "(benchmarks/results/fp8_experts_h100_2026-12-05.md): too small and too partial a gain to calibrate on")
+"""Why an FP8 recipe is priced as bf16, as validate's time-plan note says it (``TimePlan.fp8_recipe``)."""
+
+
 CALIBRATIONS = {
     "graph": Calibration(
         "bench_h200 shape (~1.1 B, dim 1024, 16 heads), 8,192 tokens per step, sparse, compiled + CUDA graph, "
@@ -321,9 +326,8 @@ class TimePlan:
     """Stages whose attention runs a kernel backend other than triton: priced at the calibrations, which are the
     Triton kernels' (no other backend is measured; the reference path is slower, its warm-up much slower)."""
     fp8_recipe: str = "none"
-    """``precision.fp8_recipe``. Every calibration is a bf16 measurement, so an FP8 recipe is priced as bf16: the
-    last measurement, compiled Flash-width blocks on an H100, had FP8 1.03x faster
-    (benchmarks/results/fp8_experts_h100_2026-12-05.md), too small and too partial to calibrate on."""
+    """``precision.fp8_recipe``. Every calibration is a bf16 measurement, so an FP8 recipe is priced as bf16
+    (:data:`FP8_AS_BF16`)."""
 
     @property
     def wall_s(self) -> float:

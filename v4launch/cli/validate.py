@@ -222,7 +222,7 @@ def _memory_table(report: Report) -> Table | None:
 
 def _time_table(report: Report) -> tuple[Table, str] | None:
     """The time plan (``validators/time_plan.py``): one row per stage and the total, then what it assumes."""
-    from ..validators.time_plan import duration_text
+    from ..validators.time_plan import FP8_AS_BF16, duration_text
 
     plan = report.time
     if not plan:
@@ -246,8 +246,7 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
             f"{a['inter_node_gb_per_s']:.0f} GB/s between nodes; segments of {a['segment_s'] / 60:.0f} min of "
             "training; no overlap of communication with compute, no restarts (docs/time-plan.md)")
     if a.get("fp8_recipe", "none") != "none":
-        note += (f"; precision.fp8_recipe={a['fp8_recipe']} is priced as bf16 (every calibration is bf16; FP8 measured "
-                 "1.03x faster on compiled Flash-width blocks, H100)")
+        note += f"; precision.fp8_recipe={a['fp8_recipe']} is priced as bf16 ({FP8_AS_BF16})"
     if a.get("priced_as_triton"):
         note += (f"; stage(s) {', '.join(a['priced_as_triton'])} run another kernel backend than triton and are priced "
                  "at the Triton kernels' measured throughput: slower in practice (reference much slower, not measured)")
