@@ -8,8 +8,10 @@
 #   bf16_storage    bf16_kernels with precision-aware storage: bf16 GEMM weights + 16-bit remainders, bf16 moments
 #   bf16_offload    bf16_kernels with whole-layer recompute and the layer inputs in host memory (no CUDA graph:
 #                   host copies cannot be captured)
-# VARIANTS picks a subset (default all four), WAVE of them at a time (default 2). Then benchmarks/compare_runs.py of each against fp32_reference
-# (windows of 20 steps, limit 2%): $OUT/compare_<variant>.txt, the logs, every metrics.jsonl.
+#   fp8_kernels     bf16_kernels with precision.fp8_recipe=${FP8_RECIPE:-blockwise}: the V4 FP8 policy (routed experts
+#                   through model/fp8_experts.py, Float8Linear elsewhere), compiled, CUDA graphs
+# VARIANTS picks a subset (default the first four), WAVE of them at a time (default 2). Then benchmarks/compare_runs.py of each
+# against BASELINE (default fp32_reference; BASELINE=bf16_kernels for FP8) (windows of 20 steps, limit 2%): $OUT/compare_<variant>.txt, the logs, every metrics.jsonl.
 set -uo pipefail
 source "$(dirname "$0")/device_setup.sh"
 read -r S0 S1 S2 <<< "${STEPS:-80 20 100}"
@@ -44,13 +46,15 @@ for v in $VARIANTS; do
   bf16_kernels) run bf16_kernels ${B_OVERRIDES:-} & ;;
   bf16_storage) run bf16_storage $STORAGE ${B_OVERRIDES:-} & ;;
   bf16_offload) run bf16_offload $OFFLOAD ${B_OVERRIDES:-} & ;;
+  fp8_kernels) run fp8_kernels precision.fp8_recipe=${FP8_RECIPE:-blockwise} ${B_OVERRIDES:-} & ;;
   esac
 done
 wait
 for v in $VARIANTS; do grep -hE "held-out|memory|completed|Error" $OUT/$v.log | cut -c1-160 | sed "s/^/$v: /"; done
+BASELINE=${BASELINE:-fp32_reference}
 for v in $VARIANTS; do
-  [ "$v" = fp32_reference ] && continue
-  echo "== $v against fp32_reference"
-  python3 $REPO/benchmarks/compare_runs.py $OUT/fp32_reference_metrics.jsonl $OUT/${v}_metrics.jsonl \
+  [ "$v" = "$BASELINE" ] && continue
+  echo "== $v against $BASELINE"
+  python3 $REPO/benchmarks/compare_runs.py $OUT/${BASELINE}_metrics.jsonl $OUT/${v}_metrics.jsonl \
       --window ${WINDOW:-20} --limit ${LIMIT:-0.02} | tee $OUT/compare_$v.txt
 done
