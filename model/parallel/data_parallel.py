@@ -68,10 +68,24 @@ def reduce_gradients(params: Iterable[torch.Tensor], group: dist.ProcessGroup | 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, expert_params: Iterable[torch.Tensor] = (),
                    ep_group: dist.ProcessGroup | None = None,
                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Global L2 norm of the (already reduced) gradients, then scale them by ``min(1, max_norm / (norm + 1e-6))``.
+    """Global L2 norm of the (already reduced) gradients (:func:`grad_norm`), then scale them by
+    :func:`clip_coefficient` (``min(1, max_norm / (norm + 1e-6))``): ``torch.nn.utils.clip_grad_norm_``'s rule over
+    a mixture of DTensor and plain gradients it cannot take. Arguments as :func:`grad_norm`; ``max_norm`` is the clip
+    threshold (``optimizer.grad_clip``; ``inf`` only measures). Returns: the norm (see :func:`grad_norm`).
+    Cost: :func:`grad_norm`'s, then one ``torch._foreach_mul_`` launch per gradient dtype (a read and a write of
+    every gradient; ``Optimizers.step(clip=...)`` folds it into a fused AdamW instead)."""
+    params = list(params)
+    norm = grad_norm(params, expert_params=expert_params, ep_group=ep_group, pp_group=pp_group)
+    if math.isfinite(max_norm):  # with no threshold the scale is exactly 1: nothing to multiply
+        scale_grads([p.grad for p in params if p.grad is not None], clip_coefficient(norm, max_norm))
+    return norm
 
-    ``torch.nn.utils.clip_grad_norm_``'s rule, over a mixture it cannot take (DTensor and plain
-    gradients in one list): the norm² is the sum of
+
+def grad_norm(params: Iterable[torch.Tensor], *, expert_params: Iterable[torch.Tensor] = (),
+              ep_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Global L2 norm of the (already reduced) gradients of ``params``; the gradients are not changed.
+
+    The norm² is the sum of
     * FSDP-sharded gradients (DTensor): local shards' squares summed over their shard mesh;
     * plain gradients that every rank of the S group holds the same (after ``reduce_gradients``): local;
     * ``expert_params`` (a subset of ``params``) when ``ep_group`` is given: summed over the EP group
@@ -80,10 +94,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, expert_pa
 
     Args:
         params: every parameter this rank optimises (gradients None are skipped).
-        max_norm: the clip threshold (``optimizer.grad_clip``); ``inf`` only measures (no scaling).
     Returns: the norm, a 0-d float32 tensor (float64 if a gradient is), the same on every rank.
-    Cost: ``torch._foreach_norm`` / ``_foreach_mul_`` (one launch per kind and dtype, not per
-    parameter) and one 0-d all-reduce per group given.
+    Cost: ``torch._foreach_norm`` (one launch per kind and dtype, not per parameter: one read of every gradient)
+    and one 0-d all-reduce per group given.
     """
     experts = set(expert_params) if ep_group is not None else set()
     grads = [(p, p.grad) for p in params if p.grad is not None]
@@ -102,15 +115,24 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, *, expert_pa
     total = sq["sharded"] + sq["plain"] + sq["expert"]
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    norm = total.sqrt()
-    if math.isfinite(max_norm):  # with no threshold the scale is exactly 1: nothing to multiply
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in sharded + expert + plain:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dt, ts in by_dtype.items():
-            torch._foreach_mul_(ts, scale.to(dt))
-    return norm
+    return total.sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clipping multiplies the gradients by: ``min(1, max_norm / (norm + 1e-6))``, a 0-d tensor of
+    ``norm``'s dtype and device (``torch.nn.utils.clip_grad_norm_``'s rule; no host read)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def scale_grads(grads: Iterable[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the 0-d ``scale`` (DTensor gradients through their local shards): one
+    ``torch._foreach_mul_`` launch per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        t = g.to_local() if isinstance(g, DTensor) else g
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dt, ts in by_dtype.items():
+        torch._foreach_mul_(ts, scale.to(dt))
 
 
 def _square_norm(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

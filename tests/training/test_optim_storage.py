@@ -108,6 +108,25 @@ def _cfg(weight_decay: float = 0.1) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32_copy"])
+def test_a_clip_folded_into_fused_adamw_keeps_the_master_on_the_fp32_trajectory(remainders):
+    """``Optimizers.step(clip=...)`` with fused AdamW hands the clip to ``_fused_adamw_`` as its ``grad_scale``;
+    the bf16-parameter optimizer's fp32 temporaries get the same division, so its master still follows the fp32
+    optimizer bitwise, step after step, with clipping active (coefficient < 1) every step."""
+    gen = _gen()
+    ref, low = _models(gen)
+    cfg = SimpleNamespace(**{**vars(_cfg()), "name": "adamw"})  # Muon multiplies bf16 gradients in bf16
+    ref_opt = Optimizers(ref, cfg, fused=True)
+    low_opt = Optimizers(low, cfg, fused=True, storage=StorageOptions(store_param_remainders=remainders))
+    for step in range(10):
+        _feed([ref, low], gen)
+        clip = torch.tensor(0.25 + 0.5 * torch.rand((), generator=gen).item())
+        ref_opt.step(clip=clip)
+        low_opt.step(clip=clip)
+        for (name, r), q in zip(ref.named_parameters(), low.parameters()):
+            assert _same(_master(low_opt, q), r.detach()), (step, name)
+
+
+@pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32_copy"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1], ids=["no_decay", "decay"])
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["ns_fp32", "ns_bf16"])
 def test_master_follows_the_fp32_optimizer_bitwise(ns_dtype, weight_decay, remainders):

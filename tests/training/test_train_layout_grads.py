@@ -44,15 +44,16 @@ GRAD_WORKER = textwrap.dedent("""
         runner.V4Model = lambda *a, **k: build(*a, **k).double()
     step = optim.Optimizers.step
     calls = [0]
-    def recording_step(self):
+    def recording_step(self, clip=None):  # the gradients as the update sees them: clipped
         calls[0] += 1
         names = {id(p): n for n, p in self._model_names}
         grads = {}
         for p in self.params:
             g = p.grad
-            grads[names[id(p)]] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone().cpu()
+            g = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+            grads[names[id(p)]] = (g if clip is None else g * clip.to(g.dtype)).cpu()
         torch.save(grads, os.path.join(sys.argv[1], f"grads_step{calls[0]}_rank{os.environ.get('RANK', '0')}.pt"))
-        return step(self)
+        return step(self, clip=clip)
     init = optim.Optimizers.__init__
     def recording_init(self, model, cfg, **kw):
         init(self, model, cfg, **kw)

@@ -28,9 +28,11 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 
+from ..model.parallel.data_parallel import scale_grads
 from .master_weights import (StorageOptions, check_param, drop_initial_remainders, ensure_master, local_view,
                              master_work, restore_loaded_dtypes, store_master, store_state, upcast)
 from .muon import Muon
@@ -209,11 +211,15 @@ class Optimizers:
             A ``master_weights.StorageOptions`` (``storage_for(recipe.precision)``): :class:`PrecisionAwareAdamW`
             and Muon with exact fp32 masters for bf16 parameters (convert them before building this) and
             moments stored in the given dtypes; the update math is the same, in fp32.
+        fused: AdamW's ``fused`` flag; None (default): fused when every parameter is on a GPU, torch's default
+            (foreach) otherwise.
     """
 
     def __init__(self, model: nn.Module, cfg: Any, *, muon_ns_dtype: torch.dtype = torch.bfloat16,
-                 tags: tuple[str, ...] = ("base", "indexer"), storage: StorageOptions | None = None) -> None:
+                 tags: tuple[str, ...] = ("base", "indexer"), storage: StorageOptions | None = None,
+                 fused: bool | None = None) -> None:
         self.cfg = cfg
+        self.fused = fused
         self.muon_ns_dtype = muon_ns_dtype
         self.storage = storage
         self.muon: torch.optim.Optimizer | None = None
@@ -255,7 +261,7 @@ class Optimizers:
             elif self.adamw is None:
                 # fused on GPUs: one kernel per step over all tensors (foreach's seven passes took 26 ms per
                 # step in recipes/bench_h200.yaml's profile on an H200)
-                fused = True if all(q.is_cuda for q in params) else None
+                fused = self.fused if self.fused is not None else (True if all(q.is_cuda for q in params) else None)
                 if self.storage is None:
                     self.adamw = torch.optim.AdamW([group], lr=c.lr, betas=tuple(c.betas), eps=c.eps,
                                                    weight_decay=wd, fused=fused)
@@ -275,9 +281,30 @@ class Optimizers:
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
-    def step(self) -> None:
+    def step(self, clip: torch.Tensor | None = None) -> None:
+        """One step of every optimizer, the gradients first multiplied by ``clip`` (a 0-d tensor, the global-norm
+        clip coefficient of ``data_parallel.clip_coefficient``; None: as they are).
+
+        A fused AdamW over plain tensors takes the clip as its ``grad_scale`` (the divisor torch's
+        ``_fused_adamw_`` applies to each gradient as it reads it, written back clipped): no separate pass over
+        the gradients. Muon, an AdamW that is not fused (CPU, foreach) and FSDP-sharded (DTensor) parameters get
+        their gradients multiplied in place first (``data_parallel.scale_grads``). Either way the update is
+        AdamW's on the clipped gradients, and ``p.grad`` holds them after the step.
+        """
         for o in self.optimizers:
-            o.step()
+            grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
+            if clip is None or not grads:
+                o.step()
+            elif o is self.adamw and all(g["fused"] for g in o.param_groups) and \
+                    not any(isinstance(t, DTensor) for t in grads):
+                o.grad_scale = torch.reciprocal(clip.float())
+                try:
+                    o.step()
+                finally:
+                    del o.grad_scale
+            else:
+                scale_grads(grads, clip)
+                o.step()
 
     def summary(self, model: nn.Module) -> dict[str, dict[str, Any]]:
         """Group name -> {optimizer, dtypes {dtype: count}, n_params, names} (for the manifest and tests).

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..model.common import QueuedRead, to_host
-from ..model.parallel.data_parallel import clip_grad_norm, reduce_gradients
+from ..model.parallel.data_parallel import clip_coefficient, grad_norm, reduce_gradients
 from .dist import DistInfo, Layout, average_grads, fill_missing_grads, mean_scalars, merge_over, sum_tensors
 from .optim import Optimizers
 
@@ -255,9 +255,10 @@ def queue_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
         n, tokens = accum, sum(int(getattr(mb, "num_real_tokens", mb.tokens.numel())) for mb in batches)
     params = opt.params
     fill_missing_grads(params)
-    norm = _reduce_and_clip(params, info, layout, dp=layout.dp if layout is not None else info.world // cp,
-                            max_norm=grad_clip if grad_clip > 0 else math.inf, experts=experts, sharded=sharded)
-    opt.step()
+    norm, clip = _reduce_and_clip(params, info, layout, dp=layout.dp if layout is not None else info.world // cp,
+                                  max_norm=grad_clip if grad_clip > 0 else math.inf, experts=experts,
+                                  sharded=sharded)
+    opt.step(clip=clip)
     if captured is None:
         opt.zero_grad()
     elif not captured.writes_grads:  # the graph adds into these very tensors at the next replay
@@ -272,22 +273,24 @@ def queue_step(model: nn.Module, opt: Optimizers, micro_batches: Iterable[Any], 
 
 
 def _reduce_and_clip(params: list[torch.Tensor], info: DistInfo, layout: Layout | None, *, dp: int,
-                     max_norm: float, experts: frozenset, sharded: bool) -> torch.Tensor:
-    """Gradients to ``(1/dp) · Σ_S g`` (docs/parallelism.md "Rank grid"), then the global-norm clip.
+                     max_norm: float, experts: frozenset, sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients to ``(1/dp) · Σ_S g`` (docs/parallelism.md "Rank grid"), then the global norm and its clip.
 
     Unsharded parameters: one flat all-reduce over the S group (the world when pp = 1); routed experts
     under EP: over the edp group (the ranks holding the same experts); FSDP-sharded ones were
     reduce-scattered by the backward. The norm sums sharded squares over their mesh, expert squares
-    over the EP group and every pipeline rank's share (``data_parallel.clip_grad_norm``).
-    Returns: the norm (0-d tensor, the same on every rank).
+    over the EP group and every pipeline rank's share (``data_parallel.grad_norm``).
+    Returns: the norm (0-d tensor, the same on every rank) and the clip coefficient
+    ``min(1, max_norm / (norm + 1e-6))`` (None when ``max_norm`` is inf), which ``Optimizers.step`` applies.
     """
     group = layout.shard_group if layout is not None else None
     if not sharded:
         average_grads([p for p in params if p not in experts], info, dp=dp, group=group)
     if experts:
         reduce_gradients([p for p in params if p in experts], layout.edp_group, dp)
-    return clip_grad_norm(params, max_norm, expert_params=experts, ep_group=layout.ep_group if experts else None,
-                          pp_group=layout.pipe_group if layout is not None else None)
+    norm = grad_norm(params, expert_params=experts, ep_group=layout.ep_group if experts else None,
+                     pp_group=layout.pipe_group if layout is not None else None)
+    return norm, clip_coefficient(norm, max_norm) if math.isfinite(max_norm) else None
 
 
 def without_compiling() -> contextlib.AbstractContextManager:
