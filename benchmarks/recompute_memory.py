@@ -69,6 +69,8 @@ class Precision:
         compressor_gemm = indexer_weights_proj = indexer_qk = "bf16"
         ape = attn_sink = "fp32"
 
+    fp8_dispatch = True  # no EP here: no effect
+
     def __init__(self, fp8_recipe: str, dtype: str) -> None:
         self.fp8_recipe, self.dtype = fp8_recipe, dtype
 

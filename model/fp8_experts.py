@@ -95,7 +95,7 @@ def _fused(fn, row_args: tuple[int, ...], *args):
     return regions.run(fn, row_args, *args) if regions.fused_here(args[0]) else fn(*args)
 
 
-def _cast_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cast_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rowwise_e4m3` of a contiguous tensor as a compiled region on CUDA (one kernel instead of the eager
     chain's ~10 passes over a float32 copy: at Flash width a weight stack is 67M-134M elements, x 1.6G), the
     e4m3 output made contiguous (the grouped GEMM's layout contract: row-major left, column-major right via ``.mT``)."""
@@ -118,35 +118,63 @@ def _scaled_grouped_mm(aq: torch.Tensor, a_scale: torch.Tensor, bq_t: torch.Tens
     return torch._grouped_mm(a, b, offs=ends).to(out_dtype)
 
 
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [n, k] e4m3, scale [n] float32 -> ``q * scale[:, None]`` [n, k] in ``dtype``: exact in bf16 (an e4m3 value
+    times a power of two has 3 mantissa bits), as a compiled region on CUDA."""
+    return _fused(_dequantize, (0, 1), q, scale, dtype)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def mlp_forward(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor,
+                limit: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the module docstring from the cast input: xq [M, dim] e4m3, xs [M] float32, w13, w2 and
+    ends as :class:`Fp8ExpertMLP` -> (y [M, dim], g13 [M, 2*inter]) in ``dtype`` (g13 is what the backward keeps)."""
+    w13q, w13s = cast_rows(w13)  # [E, 2I, dim]: one scale per output column of each expert
+    g13 = _scaled_grouped_mm(xq, xs, w13q.mT, w13s, ends, dtype)
+    hq, hs = _fused(swiglu_e4m3, (0,), g13, float(limit))
+    w2q, w2s = cast_rows(w2)
+    return _scaled_grouped_mm(hq, hs, w2q.mT, w2s, ends, dtype), g13
+
+
+def mlp_backward(dyq: torch.Tensor, dys: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, g13: torch.Tensor,
+                 w13: torch.Tensor, w2: torch.Tensor, ends: torch.Tensor, limit: float,
+                 weight_grads: tuple[bool, bool]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of the module docstring: dyq [M, dim] e4m3 / dys [M] float32 (the cast output gradient, for the
+    dh GEMM), dy and x [M, dim] in the compute dtype (the weight gradients' operands), g13 from :func:`mlp_forward`
+    -> (dx [M, dim], dw13 [E, 2I, dim] or None, dw2 [E, dim, I] or None, as ``weight_grads`` asks)."""
+    dtype = x.dtype
+    w2tq, w2ts = cast_rows(w2.mT.contiguous())  # [E, inter, dim]: scales along dim, per inter column
+    dh = _scaled_grouped_mm(dyq, dys, w2tq.mT, w2ts, ends, dtype)
+    dg13q, dg13s, dg13, h = _fused(swiglu_grad_e4m3, (0, 1), g13, dh, limit)
+    w13tq, w13ts = cast_rows(w13.mT.contiguous())  # [E, dim, 2I]
+    dx = _scaled_grouped_mm(dg13q, dg13s, w13tq.mT, w13ts, ends, dtype)
+    dw13 = torch._grouped_mm(dg13.T, x, offs=ends) if weight_grads[0] else None  # [E, 2I, dim]
+    dw2 = torch._grouped_mm(dy.T, h, offs=ends) if weight_grads[1] else None  # [E, dim, I]
+    return dx, dw13, dw2
+
+
 class Fp8ExpertMLP(torch.autograd.Function):
     """See the module docstring. forward(x [M, dim] bf16, w13 [E, 2*inter, dim] bf16, w2 [E, dim, inter] bf16,
-    ends [E] int32, limit) -> y [M, dim] bf16."""
+    ends [E] int32, limit) -> y [M, dim] bf16. The weight gradients use x and dy as given (bf16)."""
 
     @staticmethod
     def forward(ctx, x, w13, w2, ends, limit: float):
-        dtype, x = x.dtype, x.contiguous()
-        xq, xs = _cast_rows(x)
-        w13q, w13s = _cast_rows(w13)  # [E, 2I, dim]: one scale per output column of each expert
-        g13 = _scaled_grouped_mm(xq, xs, w13q.mT, w13s, ends, dtype)
-        hq, hs = _fused(swiglu_e4m3, (0,), g13, float(limit))
-        w2q, w2s = _cast_rows(w2)
+        x = x.contiguous()
+        xq, xs = cast_rows(x)
+        y, g13 = mlp_forward(xq, xs, w13, w2, ends, limit, x.dtype)
         ctx.save_for_backward(x, g13, w13, w2, ends)
         ctx.limit = float(limit)
-        return _scaled_grouped_mm(hq, hs, w2q.mT, w2s, ends, dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, g13, w13, w2, ends = ctx.saved_tensors
-        dtype = x.dtype
-        dy = dy.to(dtype).contiguous()
-        dyq, dys = _cast_rows(dy)
-        w2tq, w2ts = _cast_rows(w2.mT.contiguous())  # [E, inter, dim]: scales along dim, per inter column
-        dh = _scaled_grouped_mm(dyq, dys, w2tq.mT, w2ts, ends, dtype)
-        dg13q, dg13s, dg13, h = _fused(swiglu_grad_e4m3, (0, 1), g13, dh, ctx.limit)
-        w13tq, w13ts = _cast_rows(w13.mT.contiguous())  # [E, dim, 2I]
-        dx = _scaled_grouped_mm(dg13q, dg13s, w13tq.mT, w13ts, ends, dtype)
-        dw13 = torch._grouped_mm(dg13.T, x, offs=ends) if ctx.needs_input_grad[1] else None  # [E, 2I, dim]
-        dw2 = torch._grouped_mm(dy.T, h, offs=ends) if ctx.needs_input_grad[2] else None  # [E, dim, I]
+        dy = dy.to(x.dtype).contiguous()
+        dyq, dys = cast_rows(dy)
+        dx, dw13, dw2 = mlp_backward(dyq, dys, dy, x, g13, w13, w2, ends, ctx.limit, ctx.needs_input_grad[1:3])
         return dx, dw13, dw2, None, None
 
 
@@ -177,4 +205,5 @@ def fp8_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts:
     return Fp8ExpertMLP.apply(x, w13, w2, ends, float(limit))
 
 
-__all__ = ["E4M3", "E4M3_MAX", "Fp8ExpertMLP", "fp8_expert_mlp", "rowwise_e4m3", "swiglu_e4m3", "swiglu_grad_e4m3"]
+__all__ = ["E4M3", "E4M3_MAX", "Fp8ExpertMLP", "cast_rows", "dequantize_rows", "fp8_expert_mlp", "mlp_backward", "mlp_forward",
+           "rowwise_e4m3", "swiglu_e4m3", "swiglu_grad_e4m3"]

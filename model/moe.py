@@ -202,19 +202,30 @@ def run_local_experts(experts: list[Expert], x: torch.Tensor, counts: torch.Tens
     dtype = _compute_dtype(x)
 
     def stacked(name: str) -> torch.Tensor:  # [E_l, out, in]
-        return torch.stack([getattr(e, name).weight.to(dtype) for e in experts])
+        return _stack_weights(experts, name, dtype)
 
     xc = x.to(dtype)
     if xc.shape[0] == 0:  # no rows reached these experts: the grouped GEMMs' weight gradients refuse zero rows
         zero = (xc.sum() + sum(getattr(e, k).weight.sum() for e in experts for k in ("w1", "w2", "w3"))) * 0
         return xc.new_zeros(0, experts[0].w2.weight.shape[0]) + zero.to(dtype)  # zero gradients, still in the graph
     if fp8:
-        w13 = torch.cat([stacked("w1"), stacked("w3")], dim=1)  # [E_l, 2 * inter, dim]: gate over up
-        return fp8_experts.fp8_expert_mlp(xc, w13, stacked("w2"), counts, experts[0].limit)
+        return fp8_experts.fp8_expert_mlp(xc, *fp8_weight_stacks(experts, dtype), counts, experts[0].limit)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E_l] end row of each expert's group
     h = experts[0].activation(torch._grouped_mm(xc, stacked("w1").mT, offs=offsets),
                               torch._grouped_mm(xc, stacked("w3").mT, offs=offsets), dtype)  # [M, inter] dtype
     return torch._grouped_mm(h, stacked("w2").mT, offs=offsets)
+
+
+def fp8_weight_stacks(experts: list[Expert], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 MLP's weight operands (``fp8_experts``): (w13 [E_l, 2*inter, dim], each expert's w1 over its w3;
+    w2 [E_l, dim, inter]) in ``dtype``, built with autograd (each expert's parameters get their slices' gradients)."""
+    w1, w3, w2 = (_stack_weights(experts, name, dtype) for name in ("w1", "w3", "w2"))
+    return torch.cat([w1, w3], dim=1), w2
+
+
+def _stack_weights(experts: list[Expert], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The experts' ``name`` weights as one [E_l, out, in] tensor in ``dtype`` (differentiable)."""
+    return torch.stack([getattr(e, name).weight.to(dtype) for e in experts])
 
 
 class Route(NamedTuple):
@@ -328,6 +339,8 @@ class MoE(nn.Module):
         self.dispatcher: ExpertDispatch = SINGLE_DEVICE_EXPERTS
         self.register_buffer("expert_counts", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
         self.fp8_experts = False  # the routed experts' grouped GEMMs in FP8 (set by parallel.precision.apply_fp8)
+        # with fp8_experts under EP: rows into the experts cross the all-to-all as e4m3 (precision.fp8_dispatch)
+        self.fp8_dispatch = False
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seg: torch.Tensor,
                 n_segments: int, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,9 +350,14 @@ class MoE(nn.Module):
         if self.training:
             self.expert_counts += route.counts
         xs = gather_rows(x.to(_compute_dtype(x)), route.token_of, route.slot_to_sorted, self.topk)  # [T*K, dim]
-        x_local, local_counts, ctx = self.dispatcher.dispatch(xs, route.counts)
-        y_local = run_local_experts(list(self.experts.values()), x_local, local_counts, fp8=self.fp8_experts)
-        ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
+        experts = list(self.experts.values())
+        if self.fp8_experts and self.fp8_dispatch and self.dispatcher.ep > 1:  # e4m3 rows on the EP wire
+            ys = self.dispatcher.fp8_experts(xs, route.counts, *fp8_weight_stacks(experts, xs.dtype),
+                                             experts[0].limit)
+        else:
+            x_local, local_counts, ctx = self.dispatcher.dispatch(xs, route.counts)
+            y_local = run_local_experts(experts, x_local, local_counts, fp8=self.fp8_experts)
+            ys = self.dispatcher.combine(y_local, ctx)  # [T*K, dim], slots sorted by expert
         y = combine_slots(ys, route, weights)  # [T, dim] accumulation dtype
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).to(y.dtype)

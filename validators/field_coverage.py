@@ -100,6 +100,7 @@ COVERAGE: dict[str, Coverage] = {
     "parallel.offload_modules": Refused("V4-UNIMPL-OFFLOAD", "parallel.offload_modules=[core_attn]"),
     "precision.dtype": Honoured(RUNNER_INIT),
     "precision.fp8_recipe": Honoured("v4launch.model.parallel.precision:fp8_module_filter"),
+    "precision.fp8_dispatch": Honoured("v4launch.model.parallel.precision:apply_fp8"),
     "precision.keep_fp32_params": Inert(
         "the pinned parameters (ape, attn_sink, hc_*, router bias) are FP32 under every precision.params_dtype "
         "(validators/storage_policy.py stores only GEMM matrices in bf16): true keeps them FP32, false lifts a "

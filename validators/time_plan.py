@@ -10,8 +10,10 @@ what is not):
   this product's own H200 runs (:data:`CALIBRATIONS`); x the pipeline's balance (max / mean stage cost) and
   its bubble ``(pp - 1) / (vpp · micro-batches)`` (1F1B, interleaved when vpp > 1);
 * EP all-to-all: each token's K routed rows of ``dim`` bf16 sent out and back in forward, again in
-  backward (and in the recompute), the share bound for other nodes over ``cluster.inter_node_gb_per_s``,
-  the rest over ``cluster.intra_node_gb_per_s`` (both links at once: the slower side counts);
+  backward (and in the recompute), the way into the experts as e4m3 plus a scale per row under FP8 with
+  ``precision.fp8_dispatch`` (:func:`ep_row_bytes`), the share bound for other nodes over
+  ``cluster.inter_node_gb_per_s``, the rest over ``cluster.intra_node_gb_per_s`` (both links at once: the
+  slower side counts);
 * CP exchange: every compressed layer's all-gather of compressed entries (``derived``) and the boundary rows,
   forward, backward (the gradient of the gathered buffer) and the recompute;
 * data parallel: FSDP2 (``parallel.distributed_optimizer``) gathers the stage's dense parameters in forward
@@ -238,6 +240,23 @@ def segment_seconds(recipe: Recipe) -> float:
     return max(1.0, s.time_min * 60.0 - s.signal_delay_s)
 
 
+def fp8_dispatch_applies(recipe: Recipe) -> bool:
+    """Whether the job exchanges the rows into the routed experts as e4m3 (``precision.fp8_dispatch``): an FP8
+    recipe with bf16 compute on an SM90+ GPU (where the routed experts run FP8: ``parallel.precision.apply_fp8``)
+    and ``parallel.ep`` > 1."""
+    pr = recipe.precision
+    return (pr.fp8_recipe != "none" and pr.fp8_dispatch and pr.dtype == "bf16" and recipe.parallel.ep > 1
+            and (recipe.cluster.sm or 0) >= 90)
+
+
+def ep_row_bytes(recipe: Recipe) -> int:
+    """Bytes one routed row puts on the EP all-to-all per pass (forward, backward or recompute), out and back:
+    2 x dim x 2 in bf16; with :func:`fp8_dispatch_applies`, the way into the experts (the forward's rows, the
+    backward's output gradients) is dim e4m3 bytes plus a float32 scale: dim + 4 + 2 x dim."""
+    dim = recipe.model.dim
+    return dim + 4 + 2 * dim if fp8_dispatch_applies(recipe) else 2 * dim * 2
+
+
 def stage_time(recipe: Recipe, index: int) -> StageTime | None:
     """The estimate of curriculum stage ``index``; None for a CPU target or a stage whose DP is undefined."""
     peak = peak_flops(recipe)
@@ -260,7 +279,7 @@ def stage_time(recipe: Recipe, index: int) -> StageTime | None:
     compute = flops / c.world_size / achieved * balance * (1 + bubble)
     passes = 3 if p.recompute_granularity == "full" else 2  # forward, backward (+ the recompute's forward)
     local_tokens = tokens / (dp * cp)
-    a2a = local_tokens * moe_layers * m.moe.n_activated_experts * m.dim * 2 * 2 * passes * (p.ep - 1) / p.ep
+    a2a = local_tokens * moe_layers * m.moe.n_activated_experts * ep_row_bytes(recipe) * passes * (p.ep - 1) / p.ep
     ep_s = _group_seconds(a2a, p.ep, gpn, intra, inter, ring=False)
     cp_s = _group_seconds(_cp_bytes(recipe, stage, cp) * batch / dp * moe_layers / max(1, m.n_layers + m.mtp.depth)
                           * passes, cp, gpn, intra, inter, ring=True)
@@ -326,8 +345,10 @@ class TimePlan:
     """Stages whose attention runs a kernel backend other than triton: priced at the calibrations, which are the
     Triton kernels' (no other backend is measured; the reference path is slower, its warm-up much slower)."""
     fp8_recipe: str = "none"
-    """``precision.fp8_recipe``. Every calibration is a bf16 measurement, so an FP8 recipe is priced as bf16
-    (:data:`FP8_AS_BF16`)."""
+    """``precision.fp8_recipe``. Every calibration is a bf16 measurement, so an FP8 recipe's compute is priced as
+    bf16 (:data:`FP8_AS_BF16`)."""
+    fp8_dispatch: bool = False
+    """:func:`fp8_dispatch_applies`: the EP bytes are priced with e4m3 rows into the experts (:func:`ep_row_bytes`)."""
 
     @property
     def wall_s(self) -> float:
@@ -351,7 +372,8 @@ class TimePlan:
                                                  for k in used],
                                 "intra_node_gb_per_s": self.intra_node_gb_per_s,
                                 "inter_node_gb_per_s": self.inter_node_gb_per_s, "segment_s": self.segment_s,
-                                "priced_as_triton": list(self.priced_as_triton), "fp8_recipe": self.fp8_recipe}}
+                                "priced_as_triton": list(self.priced_as_triton), "fp8_recipe": self.fp8_recipe,
+                                "fp8_dispatch": self.fp8_dispatch}}
 
 
 def time_plan(recipe: Recipe) -> TimePlan | None:
@@ -363,4 +385,5 @@ def time_plan(recipe: Recipe) -> TimePlan | None:
     priced_as_triton = tuple(st.name for st in recipe.curriculum.stages
                        if (st.kernel_backend or recipe.attention.kernel_backend) != "triton")
     return TimePlan(tuple(stages), recipe.cluster.world_size, recipe.cluster.gpu, GPU_PEAK_BF16_TFLOPS[recipe.cluster.gpu],
-                    intra, inter, segment_seconds(recipe), priced_as_triton, recipe.precision.fp8_recipe)
+                    intra, inter, segment_seconds(recipe), priced_as_triton, recipe.precision.fp8_recipe,
+                    fp8_dispatch_applies(recipe))

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
+from .. import fp8_experts
 from ..moe import MoE
 from .base import ExpertDispatch
 
@@ -92,10 +93,7 @@ class ExpertParallelDispatch(ExpertDispatch):
     def dispatch(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, _Exchange]:
         """x_sorted [N, dim] (sorted by global expert), counts [E] int64 -> (x_local [M, dim]
         grouped by local expert, local_counts [E/ep] int64, ctx). Collective over ``group``."""
-        send = counts.view(self.ep, self.n_local).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)  # recv[r, j]: rows from rank r for my expert j
-        send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+        recv, send_splits, recv_splits = self.exchange_counts(counts)
         x_rank_major = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.group)
         src = expert_major_order(recv, sum(recv_splits))
         inverse = torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=src.device))
@@ -105,6 +103,103 @@ class ExpertParallelDispatch(ExpertDispatch):
         """y_local [M, dim] (expert-major) -> [N, dim] in ``dispatch``'s x_sorted order. Collective."""
         y_rank_major = y_local[ctx.to_rank_major]
         return all_to_all_single_autograd(y_rank_major, ctx.send_splits, ctx.recv_splits, self.group)
+
+
+    def exchange_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """counts [E] int64 (this rank's rows per global expert) -> (recv [ep, E/ep] int64: rows rank r sends for
+        my local expert j; send_splits, recv_splits: rows per rank, host ints). One all-to-all of the count table
+        and the one host read of the split sizes. Collective over ``group``."""
+        send = counts.view(self.ep, self.n_local).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # recv[r, j]: rows from rank r for my expert j
+        send_splits, recv_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the one host sync
+        return recv, send_splits, recv_splits
+
+    @torch.compiler.disable
+    def fp8_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    limit: float) -> torch.Tensor:
+        """Dispatch, the local experts' FP8 MLP and combine, with e4m3 rows on the wire into the experts.
+
+        ``x_sorted`` [N, dim] (sorted by global expert) is cast to e4m3 rowwise where it is, and crosses the
+        all-to-all as dim bytes plus a 4-byte scale per row instead of 2·dim bytes; the received rows are exactly
+        what ``fp8_experts.fp8_expert_mlp`` would cast them to. In the backward the output gradient crosses the
+        reverse all-to-all the same way (the MLP casts it for its dh GEMM anyway); the input gradient returns in
+        the compute dtype. The weight gradients then use the e4m3 values of x and dy (dequantised exactly into the
+        compute dtype), as DeepSeek-V3's FP8 framework does (report §3.3, its dispatch and wgrad inputs in FP8);
+        the forward output and the input gradient are those of ``fp8_expert_mlp``.
+
+        Args:
+            x_sorted: [N, dim] compute dtype. counts: [E] int64 rows per global expert.
+            w13: [E/ep, 2*inter, dim] the local experts' w1 over w3; w2: [E/ep, dim, inter] (compute dtype).
+            limit: the SwiGLU clamp (0 = none).
+        Returns: [N, dim] the experts' (unweighted) outputs in x_sorted's order. Collective over ``group``.
+        Host syncs: one (the split sizes), as :meth:`dispatch`.
+        Source: DeepSeek-V3 report §3.3 (FP8 before the dispatch, bf16 combine); seed 000 §9 (routed experts FP8).
+        """
+        return Fp8ExpertExchange.apply(x_sorted.contiguous(), w13, w2, counts, self, float(limit))
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [n, k] e4m3, scale [n] float32 -> [n, k + 4] uint8: each row's bytes then its scale's (one message)."""
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1)
+
+
+def _unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_pack`: [n, k + 4] uint8 -> (q [n, k] e4m3, scale [n] float32), contiguous."""
+    return (packed[:, :-4].contiguous().view(fp8_experts.E4M3),
+            packed[:, -4:].contiguous().view(torch.float32).view(-1))
+
+
+def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of ``t`` (``in_splits[r]`` for rank r) exchanged; returns ``sum(out_splits)`` rows received."""
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))
+    dist.all_to_all_single(out, t, out_splits, in_splits, group=group)
+    return out
+
+
+class Fp8ExpertExchange(torch.autograd.Function):
+    """``ExpertParallelDispatch.fp8_experts`` as one autograd function (rows into the experts travel as e4m3).
+
+    forward(x_sorted [N, dim], w13 [E_l, 2I, dim], w2 [E_l, dim, I], counts [E], dispatcher, limit) -> [N, dim].
+    Saved: the received e4m3 rows and their scales (half x's bf16 bytes), g13, the weight stacks, the exchange.
+    """
+
+    @staticmethod
+    def forward(ctx, x_sorted, w13, w2, counts, dispatcher, limit: float):
+        group, dtype = dispatcher.group, x_sorted.dtype
+        recv, send_splits, recv_splits = dispatcher.exchange_counts(counts)
+        xq, xs = fp8_experts.cast_rows(x_sorted)
+        wire = _all_to_all(_pack(xq, xs), recv_splits, send_splits, group)
+        m = sum(recv_splits)
+        src = expert_major_order(recv, m)
+        xq_l, xs_l = _unpack(wire[src])  # expert-major (local expert, source rank)
+        ends = torch.cumsum(recv.sum(0), 0, dtype=torch.int32)
+        if m:
+            y_l, g13 = fp8_experts.mlp_forward(xq_l, xs_l, w13, w2, ends, limit, dtype)
+        else:  # no rows for my experts: nothing to compute (the grouped GEMMs refuse zero rows)
+            y_l, g13 = x_sorted.new_empty(0, w2.shape[1]), x_sorted.new_empty(0, w13.shape[1])
+        inverse = torch.empty_like(src).scatter_(0, src, torch.arange(m, device=src.device))
+        ctx.save_for_backward(xq_l, xs_l, g13, w13, w2, ends, src, inverse)
+        ctx.exchange = (group, send_splits, recv_splits)
+        ctx.limit, ctx.dtype = limit, dtype
+        return _all_to_all(y_l[inverse], send_splits, recv_splits, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq_l, xs_l, g13, w13, w2, ends, src, inverse = ctx.saved_tensors
+        group, send_splits, recv_splits = ctx.exchange
+        dtype = ctx.dtype
+        dyq, dys = fp8_experts.cast_rows(dy.to(dtype).contiguous())
+        dyq_l, dys_l = _unpack(_all_to_all(_pack(dyq, dys), recv_splits, send_splits, group)[src])
+        if xq_l.shape[0]:
+            x_l = fp8_experts.dequantize_rows(xq_l, xs_l, dtype)
+            dy_l = fp8_experts.dequantize_rows(dyq_l, dys_l, dtype)
+            dx_l, dw13, dw2 = fp8_experts.mlp_backward(dyq_l, dys_l, dy_l, x_l, g13, w13, w2, ends, ctx.limit,
+                                                       ctx.needs_input_grad[1:3])
+        else:
+            dx_l, dw13, dw2 = dy.new_empty(0, w13.shape[2], dtype=dtype), torch.zeros_like(w13), torch.zeros_like(w2)
+        dx = _all_to_all(dx_l[inverse], send_splits, recv_splits, group)
+        return dx, dw13, dw2, None, None, None
 
 
 def _check_layout(group, ep: int, ep_rank: int, n_experts: int) -> None:

@@ -255,7 +255,9 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
             without it a device lacking FP8 tensor cores is refused.
     Returns: the FQNs of the modules that run FP8, in module order ([] when fp8_recipe is "none"): the converted
         ``Float8Linear`` modules and, with bf16 compute on an SM90+ GPU, every routed expert's w1 / w2 / w3,
-        whose MoE then runs its grouped GEMMs in FP8 (``MoE.fp8_experts``, ``fp8_experts.fp8_expert_mlp``).
+        whose MoE then runs its grouped GEMMs in FP8 (``MoE.fp8_experts``, ``fp8_experts.fp8_expert_mlp``) and, with
+        ``precision.fp8_dispatch`` (``MoE.fp8_dispatch``) under expert parallelism, exchanges the rows into its
+        experts as e4m3 (``ExpertParallelDispatch.fp8_experts``).
     Raises:
         ValueError (field, value, rule, fix): :func:`check_precision_policy`; an unknown recipe or no
         torchao (:func:`torchao_config`); a device without FP8 GEMMs (V4-FP8-SM); an FP8 module whose
@@ -288,6 +290,7 @@ def apply_fp8(model: nn.Module, recipe_precision: Any, *, emulate: bool = False)
     convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names, config=config)
     for moe in moes:
         moe.fp8_experts = True
+        moe.fp8_dispatch = bool(recipe_precision.fp8_dispatch)
     return [fqn for fqn, m in model.named_modules() if _converted(m) or _routed_fp8(model, fqn)]
 
 

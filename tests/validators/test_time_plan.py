@@ -248,15 +248,44 @@ def test_stages_off_triton_are_said_to_be_priced_at_the_triton_kernels(in_tmp):
 
 
 def test_an_fp8_recipe_is_said_to_be_priced_as_bf16(in_tmp):
-    """Every calibration is bf16: an FP8 recipe gets the same figures, and the plan says so (JSON, CLI note)."""
+    """Every calibration is bf16: an FP8 recipe's compute gets the same figures, and the plan says so (JSON, CLI
+    note); with precision.fp8_dispatch off, nothing else changes either."""
     bf16 = time_plan(load_recipe(RECIPES / "flash_4n.yaml").recipe).to_dict()
-    fp8 = time_plan(load_recipe(RECIPES / "flash_4n.yaml", ["precision.fp8_recipe=blockwise"]).recipe).to_dict()
+    fp8 = time_plan(load_recipe(RECIPES / "flash_4n.yaml", ["precision.fp8_recipe=blockwise",
+                                                            "precision.fp8_dispatch=false"]).recipe).to_dict()
     assert bf16["assumptions"]["fp8_recipe"] == "none" and fp8["assumptions"]["fp8_recipe"] == "blockwise"
+    assert not fp8["assumptions"]["fp8_dispatch"]
     assert fp8["total"] == bf16["total"]
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise"])
-    assert exc is None and "precision.fp8_recipe=blockwise is priced as bf16" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert exc is None and "precision.fp8_recipe=blockwise's compute is priced as bf16" in text
+    assert "EP rows into the experts as e4m3" in text
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
     assert exc is None and "priced as bf16" not in " ".join(out.split())
+
+
+@pytest.mark.parametrize("edits, applies", [
+    ({}, True),
+    ({"precision.fp8_dispatch": False}, False),
+    ({"precision.fp8_recipe": "none"}, False),
+    ({"parallel.ep": 1}, False),
+    ({"precision.dtype": "fp32"}, False),
+])
+def test_fp8_dispatch_prices_the_rows_into_the_experts_at_e4m3(edits, applies):
+    """Under FP8 with EP, a routed row costs dim + 4 bytes into the experts and 2 dim back, per pass, instead of
+    2 x 2 dim: flash_4n's EP term shrinks by exactly that ratio, the compute and the other terms do not move."""
+    base = load_recipe(RECIPES / "flash_4n.yaml", []).recipe
+    recipe = with_edits(base, {"precision.fp8_recipe": "blockwise", **edits})
+    plain, fp8 = stage_time(base, 2), stage_time(recipe, 2)
+    if "parallel.ep" in edits:
+        plain = stage_time(with_edits(base, {"parallel.ep": 1}), 2)
+    dim = base.model.dim
+    ratio = (dim + 4 + 2 * dim) / (4 * dim) if applies else 1.0
+    assert fp8.ep_s == pytest.approx(plain.ep_s * ratio, rel=1e-12)
+    assert (fp8.cp_s, fp8.dp_s) == (plain.cp_s, plain.dp_s)
+    if "precision.dtype" not in edits:
+        assert fp8.compute_s == plain.compute_s
+    assert time_plan(recipe).fp8_dispatch is applies
 
 
 def test_durations_read_the_same_in_every_report():

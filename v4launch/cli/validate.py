@@ -246,7 +246,10 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
             f"{a['inter_node_gb_per_s']:.0f} GB/s between nodes; segments of {a['segment_s'] / 60:.0f} min of "
             "training; no overlap of communication with compute, no restarts (docs/time-plan.md)")
     if a.get("fp8_recipe", "none") != "none":
-        note += f"; precision.fp8_recipe={a['fp8_recipe']} is priced as bf16 ({FP8_AS_BF16})"
+        note += f"; precision.fp8_recipe={a['fp8_recipe']}'s compute is priced as bf16 ({FP8_AS_BF16})"
+        if a.get("fp8_dispatch"):
+            note += ("; its EP rows into the experts as e4m3 (precision.fp8_dispatch: dim + 4 bytes a row instead of "
+                     "2 x dim, exact arithmetic)")
     if a.get("priced_as_triton"):
         note += (f"; stage(s) {', '.join(a['priced_as_triton'])} run another kernel backend than triton and are priced "
                  "at the Triton kernels' measured throughput: slower in practice (reference much slower, not measured)")
