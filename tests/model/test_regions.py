@@ -50,6 +50,9 @@ CASES = {
     "swiglu_e4m3": (fp8_experts.swiglu_e4m3, (0,), lambda T, g: (torch.randn(T, 32, generator=g), 1.5)),
     "swiglu_grad_e4m3": (fp8_experts.swiglu_grad_e4m3, (0, 1), lambda T, g: (torch.randn(T, 32, generator=g),
                                                                               torch.randn(T, 16, generator=g), 1.5)),
+    # the e4m3 rows an FP8 EP exchange received, back in the compute dtype for the weight gradients
+    "dequantize_rows": (fp8_experts._dequantize, (0, 1),
+                        lambda T, g: (*fp8_experts.rowwise_e4m3(torch.randn(T, 32, generator=g)), torch.bfloat16)),
 }
 
 

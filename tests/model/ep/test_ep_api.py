@@ -76,3 +76,39 @@ def test_apply_keeps_names_installs_dispatchers_and_refuses_a_second_time(one_ra
         apply_expert_parallel(model, one_rank_group, 1, 0)
     with pytest.raises(ValueError, match=r"EP group has 1 ranks.*ep=2"):
         apply_expert_parallel(V4Model(tiny_args(), "dense"), one_rank_group, 2, 0)
+
+
+class _RecordingDispatcher:
+    """An EP dispatcher of 2 ranks that records which path ``MoE.forward`` took and runs the rows locally."""
+
+    ep, ep_rank = 2, 0
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def dispatch(self, x_sorted, counts):
+        self.calls.append("dispatch")
+        return x_sorted, counts, None
+
+    def combine(self, y_local, ctx):
+        self.calls.append("combine")
+        return y_local
+
+    def fp8_experts(self, x_sorted, counts, w13, w2, limit):
+        self.calls.append("fp8_experts")
+        assert w13.shape == (4, 2 * 24, 32) and w2.shape == (4, 32, 24) and counts.shape == (4,)
+        return x_sorted.new_zeros(x_sorted.shape[0], w2.shape[1]) + (w13.sum() + w2.sum()) * 0
+
+
+@pytest.mark.parametrize("fp8_experts, fp8_dispatch, expect", [
+    (True, True, ["fp8_experts"]), (True, False, ["dispatch", "combine"]), (False, True, ["dispatch", "combine"])])
+def test_moe_sends_e4m3_rows_only_with_fp8_experts_and_fp8_dispatch(fp8_experts, fp8_dispatch, expect):
+    """``MoE.forward`` takes ``ExpertParallelDispatch.fp8_experts`` (e4m3 rows on the wire) exactly when its experts run
+    FP8 and ``precision.fp8_dispatch`` is on; otherwise the bf16 dispatch / combine."""
+    moe = MoE(1, tiny_args())
+    moe.dispatcher = _RecordingDispatcher()
+    moe.fp8_experts, moe.fp8_dispatch = fp8_experts, fp8_dispatch
+    x = torch.randn(6, 32)
+    seg = torch.zeros(6, dtype=torch.long)
+    y, _ = moe(x, torch.randint(0, 61, (6,)), seg, 1)
+    assert moe.dispatcher.calls == expect and y.shape == (6, 32)
