@@ -52,6 +52,10 @@ done
 wait
 for v in $VARIANTS; do grep -hE "held-out|memory|completed|Error" $OUT/$v.log | cut -c1-160 | sed "s/^/$v: /"; done
 BASELINE=${BASELINE:-fp32_reference}
+# BASELINE_METRICS: a committed metrics.jsonl of the baseline run (same STEPS, SEQ and recipe), so that only the
+# new variant runs, e.g. BASELINE_METRICS=benchmarks/results/loss_curve_fp8_h100_2026-12-05/bf16_kernels_metrics.jsonl
+# with VARIANTS=fp8_kernels BASELINE=bf16_kernels SEQ=2048 STEPS="60 20 120"
+[ -n "${BASELINE_METRICS:-}" ] && cp "$REPO/$BASELINE_METRICS" $OUT/${BASELINE}_metrics.jsonl
 for v in $VARIANTS; do
   [ "$v" = "$BASELINE" ] && continue
   echo "== $v against $BASELINE"

@@ -45,6 +45,20 @@ def test_rows_into_the_experts_travel_as_e4m3_and_out_of_them_in_the_compute_dty
                          ("float32", [DIM])], kinds
 
 
+def test_four_ranks_with_uneven_rows_and_one_rank_sending_none(tmp_path_factory):
+    """ep = 4, 8 experts: every split pattern differs per rank pair; rank 2 routes no row at all (it sends nothing,
+    still receives and returns the others' rows)."""
+    seed = int(torch.randint(0, 2**20, ()))
+    print(f"seed {seed}")
+    case = dict(seed=seed, n_experts=8, dim=DIM, inter=INTER, rows=[23, 5, 0, 41], empty_rank=-1, limit=1.5)
+    results = spawn(4, [case], tmp_path_factory.mktemp("fp8_exchange_ep4"))
+    for rank in range(4):
+        r = results[rank][0]
+        assert r["rows_back"] == case["rows"][rank]  # each rank gets an output row for every row it sent
+        for key in ("y", "dx", "dw13", "dw2"):
+            assert r[key] < 1e-5, (rank, key, r[key])
+
+
 def test_a_rank_whose_experts_get_no_rows_gets_zero_weight_gradients(results):
     empty, other = results[1][2], results[0][2]
     assert empty["dw_zero"] and not other["dw_zero"]
