@@ -18,6 +18,7 @@ from torch import nn
 
 from v4_helpers import build, packed_batch, tiny_args
 
+from v4launch.model.moe import MoE
 from v4launch.model.parallel.precision import (apply_fp8, check_precision_policy, describe_precision,
                                                fp8_module_filter, precision_table, torchao_config)
 from v4launch.validators.schema import PrecisionConfig
@@ -161,3 +162,19 @@ def test_conversion_replaces_exactly_the_filtered_modules(recipe, gen, monkeypat
     for n in want:
         g = model.get_submodule(n).weight.grad
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0, n
+
+
+@pytest.mark.parametrize("fp8_dispatch", [True, False])
+def test_fp8_experts_take_precision_fp8_dispatch(fp8_dispatch, gen, monkeypatch):
+    """Where the routed experts run FP8 (an SM90+ GPU, bf16 compute: here the layer choice is stubbed), each MoE is
+    told whether its rows cross the EP all-to-all as e4m3 (``precision.fp8_dispatch``)."""
+    pytest.importorskip("torchao.float8")
+    from v4launch.model.parallel import precision as precision_module
+
+    model = build(tiny_args(**ALIGNED), "dense", gen, dtype=torch.float32)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    monkeypatch.setattr(precision_module, "_fp8_expert_layers", lambda *a: moes)
+    apply_fp8(model, PrecisionConfig(fp8_recipe="blockwise", fp8_dispatch=fp8_dispatch), emulate=True)
+    assert moes and all(m.fp8_experts and m.fp8_dispatch is fp8_dispatch for m in moes)
+    untouched = build(tiny_args(**ALIGNED), "dense", gen, dtype=torch.float32)
+    assert not any(m.fp8_experts or m.fp8_dispatch for m in untouched.modules() if isinstance(m, MoE))
