@@ -260,6 +260,9 @@ def test_an_fp8_recipe_is_said_to_be_priced_as_bf16(in_tmp):
     text = " ".join(out.split())
     assert exc is None and "precision.fp8_recipe=blockwise's compute is priced as bf16" in text
     assert "EP rows into the experts as e4m3" in text
+    # the memory plan has no FP8 terms either, and says what FP8's peak measured above bf16's
+    assert "precision.fp8_recipe=blockwise: activations and transients are priced as bf16" in text
+    assert "the FP8 peak was 8.9 GiB above bf16's (58.7 -> 67.6 GiB" in text
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
     assert exc is None and "priced as bf16" not in " ".join(out.split())
 

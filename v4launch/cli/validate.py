@@ -298,6 +298,10 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
             con.print(Text("whole-layer recompute: a layer's compressed KV, CP boundary rows and top-k exist only while "
                            "backward re-runs it, so they are counted in backward transients (their own rows read 0)",
                            style="dim"))
+        if recipe.precision.fp8_recipe != "none":
+            from ..validators.memory_plan import FP8_PEAK_NOTE
+
+            con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {FP8_PEAK_NOTE}", style="dim"))
     timed = _time_table(report)
     if timed is not None:
         con.print("\n[bold]time plan[/bold] (estimated, per stage; `v4launch explain V4-SLURM-SEGMENTS`)")
