@@ -289,7 +289,8 @@ class Optimizers:
         ``_fused_adamw_`` applies to each gradient as it reads it, written back clipped): no separate pass over
         the gradients. Muon, an AdamW that is not fused (CPU, foreach) and FSDP-sharded (DTensor) parameters get
         their gradients multiplied in place first (``data_parallel.scale_grads``). Either way the update is
-        AdamW's on the clipped gradients, and ``p.grad`` holds them after the step.
+        AdamW's on the clipped gradients. ``p.grad`` holds them after the step, except a bf16 gradient under
+        precision-aware storage with the clip folded: the step divides its fp32 temporary, not ``p.grad``.
         """
         for o in self.optimizers:
             grads = [p.grad for g in o.param_groups for p in g["params"] if p.grad is not None]
