@@ -45,12 +45,18 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fused CUDA kernel)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("name", ["adamw", "muon_adamw"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("spread", [30.0, 1e-3])  # clipped, and below the threshold (coefficient exactly 1)
-def test_clip_in_step_equals_clip_then_step(name, fused, spread):
+def test_clip_in_step_equals_clip_then_step(name, fused, spread, device):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    net = _with_grads(torch.float32, gen, spread)
+    net = _with_grads(torch.float32, gen, spread).to(device)
+    for p in net.parameters():
+        p.grad = p.grad.to(device)
     ref = copy.deepcopy(net)
     for p, q in zip(net.parameters(), ref.parameters()):
         q.grad = p.grad.clone()
