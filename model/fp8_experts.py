@@ -178,6 +178,12 @@ class Fp8ExpertMLP(torch.autograd.Function):
         return dx, dw13, dw2, None, None
 
 
+def check_widths(dim: int, inter: int) -> None:
+    """Raises ValueError unless ``dim`` and ``inter`` are multiples of 16 (the e4m3 grouped GEMM's alignment)."""
+    if dim % 16 or inter % 16:
+        raise ValueError(f"FP8 grouped GEMMs need widths that are multiples of 16: dim {dim}, inter {inter}")
+
+
 @torch.compiler.disable
 def fp8_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
                    limit: float) -> torch.Tensor:
@@ -198,12 +204,10 @@ def fp8_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts:
     Raises: ValueError for widths that are not multiples of 16 (the e4m3 GEMM's alignment).
     Source: seed 000 §9 (routed experts are FP8 GEMMs under the V4 policy); the math is ``moe.Expert``'s.
     """
-    if x.shape[-1] % 16 or w2.shape[-1] % 16:
-        raise ValueError(f"FP8 grouped GEMMs need widths that are multiples of 16: dim {x.shape[-1]}, "
-                         f"inter {w2.shape[-1]}")
+    check_widths(x.shape[-1], w2.shape[-1])
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     return Fp8ExpertMLP.apply(x, w13, w2, ends, float(limit))
 
 
-__all__ = ["E4M3", "E4M3_MAX", "Fp8ExpertMLP", "cast_rows", "dequantize_rows", "fp8_expert_mlp", "mlp_backward", "mlp_forward",
+__all__ = ["E4M3", "E4M3_MAX", "Fp8ExpertMLP", "cast_rows", "check_widths", "dequantize_rows", "fp8_expert_mlp", "mlp_backward", "mlp_forward",
            "rowwise_e4m3", "swiglu_e4m3", "swiglu_grad_e4m3"]

@@ -339,7 +339,8 @@ class MoE(nn.Module):
         self.dispatcher: ExpertDispatch = SINGLE_DEVICE_EXPERTS
         self.register_buffer("expert_counts", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
         self.fp8_experts = False  # the routed experts' grouped GEMMs in FP8 (set by parallel.precision.apply_fp8)
-        # with fp8_experts under EP: rows into the experts cross the all-to-all as e4m3 (precision.fp8_dispatch)
+        # with fp8_experts under EP, where the grouped path runs (bf16 compute on SM90+): rows into the experts cross
+        # the all-to-all as e4m3 (precision.fp8_dispatch)
         self.fp8_dispatch = False
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, seg: torch.Tensor,
@@ -351,7 +352,9 @@ class MoE(nn.Module):
             self.expert_counts += route.counts
         xs = gather_rows(x.to(_compute_dtype(x)), route.token_of, route.slot_to_sorted, self.topk)  # [T*K, dim]
         experts = list(self.experts.values())
-        if self.fp8_experts and self.fp8_dispatch and self.dispatcher.ep > 1:  # e4m3 rows on the EP wire
+        w1 = experts[0].w1.weight
+        if (self.fp8_experts and self.fp8_dispatch and self.dispatcher.ep > 1
+                and grouped_mm_applies(xs, w1.shape[1], w1.shape[0])):  # e4m3 rows on the EP wire
             ys = self.dispatcher.fp8_experts(xs, route.counts, *fp8_weight_stacks(experts, xs.dtype),
                                              experts[0].limit)
         else:

@@ -58,6 +58,12 @@ from .schema.model import ModelConfig
 KERNEL_DS_CAP_BYTES = 2 * (1 << 30)
 """The fused attention backward's dS buffer is capped at 2 GiB per query chunk (docs/kernels.md)."""
 
+FP8_PEAK_NOTE = ("activations and transients are priced as bf16; measured on 2 compiled Flash-width layers (8 routed "
+                 "experts, 393,216 routed rows, whole-layer recompute, one H100) the FP8 peak was 8.9 GiB above "
+                 "bf16's (58.7 -> 67.6 GiB: benchmarks/results/fp8_experts_h100_2026-12-05.md): keep that much of "
+                 "the budget free")
+"""What the memory plan says of an FP8 recipe (validate prints it under the table): the plan has no FP8 terms."""
+
 
 
 def layer_bytes_per_token(m: ModelConfig, ratio: int, phase: str, *, kernels: bool, act: int, topk: int,

@@ -53,12 +53,6 @@ HEADROOM_FIXED_BYTES = 2 * GIB
 FRAGMENTATION = 0.05
 """Share of the allocated bytes the caching allocator loses to fragmentation (reserved minus allocated)."""
 LOGIT_CHUNK_ELEMENTS = 1 << 28
-
-FP8_PEAK_NOTE = ("activations and transients are priced as bf16; measured on 2 compiled Flash-width layers (8 routed "
-                 "experts, 393,216 routed rows, whole-layer recompute, one H100) the FP8 peak was 8.9 GiB above "
-                 "bf16's (58.7 -> 67.6 GiB: benchmarks/results/fp8_experts_h100_2026-12-05.md): keep that much of "
-                 "the budget free")
-"""What the memory plan says of an FP8 recipe (validate prints it under the table): the plan has no FP8 terms."""
 """Logits per chunk of the fused head + cross entropy (model/loss.py ``LOGIT_CHUNK_ELEMENTS``)."""
 
 

@@ -10,7 +10,7 @@ what is not):
   this product's own H200 runs (:data:`CALIBRATIONS`); x the pipeline's balance (max / mean stage cost) and
   its bubble ``(pp - 1) / (vpp · micro-batches)`` (1F1B, interleaved when vpp > 1);
 * EP all-to-all: each token's K routed rows of ``dim`` bf16 sent out and back in forward, again in
-  backward (and in the recompute), the way into the experts as e4m3 plus a scale per row under FP8 with
+  backward (and in the recompute, when it replays the MoE: :func:`ep_passes`), the way into the experts as e4m3 plus a scale per row under FP8 with
   ``precision.fp8_dispatch`` (:func:`ep_row_bytes`), the share bound for other nodes over
   ``cluster.inter_node_gb_per_s``, the rest over ``cluster.intra_node_gb_per_s`` (both links at once: the
   slower side counts);
@@ -240,6 +240,16 @@ def segment_seconds(recipe: Recipe) -> float:
     return max(1.0, s.time_min * 60.0 - s.signal_delay_s)
 
 
+def ep_passes(recipe: Recipe) -> int:
+    """Times a micro-batch's rows cross the EP all-to-all (out and back each time): forward and backward, plus the
+    recompute's forward when it replays the MoE (``recompute_granularity: full``, or ``selective`` with ``moe`` /
+    ``mlp`` in ``recompute_modules``: ``model/parallel/recompute.py``'s table of replayed collectives)."""
+    p = recipe.parallel
+    replays = p.recompute_granularity == "full" or (p.recompute_granularity == "selective"
+                                                     and bool(set(p.recompute_modules) & {"moe", "mlp"}))
+    return 3 if replays else 2
+
+
 def fp8_dispatch_applies(recipe: Recipe) -> bool:
     """Whether the job exchanges the rows into the routed experts as e4m3 (``precision.fp8_dispatch``): an FP8
     recipe with bf16 compute on an SM90+ GPU (where the routed experts run FP8: ``parallel.precision.apply_fp8``)
@@ -277,12 +287,13 @@ def stage_time(recipe: Recipe, index: int) -> StageTime | None:
     accum = max(1, batch // max(1, dp * p.micro_batch_size))
     bubble = (p.pp - 1) / (p.vpp * accum) if p.pp > 1 else 0.0
     compute = flops / c.world_size / achieved * balance * (1 + bubble)
-    passes = 3 if p.recompute_granularity == "full" else 2  # forward, backward (+ the recompute's forward)
     local_tokens = tokens / (dp * cp)
-    a2a = local_tokens * moe_layers * m.moe.n_activated_experts * ep_row_bytes(recipe) * passes * (p.ep - 1) / p.ep
+    a2a = (local_tokens * moe_layers * m.moe.n_activated_experts * ep_row_bytes(recipe) * ep_passes(recipe)
+           * (p.ep - 1) / p.ep)
     ep_s = _group_seconds(a2a, p.ep, gpn, intra, inter, ring=False)
+    cp_passes = 3 if p.recompute_granularity == "full" else 2  # forward, backward (+ the whole layer's replay)
     cp_s = _group_seconds(_cp_bytes(recipe, stage, cp) * batch / dp * moe_layers / max(1, m.n_layers + m.mtp.depth)
-                          * passes, cp, gpn, intra, inter, ring=True)
+                          * cp_passes, cp, gpn, intra, inter, ring=True)
     dp_s = _dp_seconds(recipe, dp * cp, accum, gpn, intra, inter)
     step = compute + ep_s + cp_s + dp_s
     n_eval = evaluations(steps, recipe.logging.eval_interval_steps)

@@ -133,9 +133,11 @@ class ExpertParallelDispatch(ExpertDispatch):
             w13: [E/ep, 2*inter, dim] the local experts' w1 over w3; w2: [E/ep, dim, inter] (compute dtype).
             limit: the SwiGLU clamp (0 = none).
         Returns: [N, dim] the experts' (unweighted) outputs in x_sorted's order. Collective over ``group``.
+        Raises: ValueError for widths that are not multiples of 16 (``fp8_experts.check_widths``).
         Host syncs: one (the split sizes), as :meth:`dispatch`.
         Source: DeepSeek-V3 report §3.3 (FP8 before the dispatch, bf16 combine); seed 000 §9 (routed experts FP8).
         """
+        fp8_experts.check_widths(x_sorted.shape[-1], w2.shape[-1])
         return Fp8ExpertExchange.apply(x_sorted.contiguous(), w13, w2, counts, self, float(limit))
 
 

@@ -20,7 +20,8 @@ from validate_helpers import REPO, RECIPES, invoke, validate_file
 from v4launch.recipe_loading import load_recipe
 from v4launch.validators.memory_fixes import with_edits
 from v4launch.validators.schema.cluster import GPU_PEAK_BF16_TFLOPS
-from v4launch.validators.time_plan import CALIBRATIONS, calibration_for, segment_seconds, stage_time, time_plan
+from v4launch.validators.time_plan import (CALIBRATIONS, calibration_for, ep_passes, segment_seconds, stage_time,
+                                           time_plan)
 
 RESULTS = REPO / "benchmarks" / "results"
 TOLERANCE = 0.20
@@ -141,6 +142,20 @@ def test_ep_all_to_all_bytes_over_the_named_links():
         assert est.ep_s == pytest.approx(max(sent * 7 / 31 / (intra * 1e9), sent * 24 / 31 / (inter * 1e9)))
 
 
+@pytest.mark.parametrize("granularity, modules, passes", [
+    ("full", [], 3), ("selective", ["moe"], 3), ("selective", ["mlp"], 3), ("selective", ["layernorm"], 2),
+    ("selective", ["moe_act", "shared_experts"], 2), ("none", [], 2)])
+def test_ep_bytes_count_the_recompute_only_where_it_replays_the_moe(granularity, modules, passes):
+    """The all-to-all crosses again in backward's recompute when the replayed region holds the MoE's dispatch
+    (model/parallel/recompute.py's table): the whole layer, or ``moe`` / ``mlp``; not the activation alone."""
+    base = load_recipe(RECIPES / "flash_4n.yaml", []).recipe
+    recipe = with_edits(base, {"parallel.recompute_granularity": granularity, "parallel.recompute_modules": modules})
+    assert ep_passes(recipe) == passes
+    no_recompute = stage_time(with_edits(base, {"parallel.recompute_granularity": "none",
+                                                "parallel.recompute_modules": []}), 2)
+    assert stage_time(recipe, 2).ep_s == pytest.approx(no_recompute.ep_s * passes / 2, rel=1e-12)
+
+
 def test_cp_exchange_is_zero_at_cp1_and_grows_with_the_sequence():
     recipe = load_recipe(RECIPES / "flash_4n.yaml", []).recipe
     cp1 = stage_time(with_edits(recipe, {"parallel.cp": 1}), 0)
@@ -259,7 +274,10 @@ def test_an_fp8_recipe_is_said_to_be_priced_as_bf16(in_tmp):
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise"])
     text = " ".join(out.split())
     assert exc is None and "precision.fp8_recipe=blockwise's compute is priced as bf16" in text
-    assert "EP rows into the experts as e4m3" in text
+    assert "EP rows into the experts as e4m3" not in text  # precision.fp8_dispatch is opt-in
+    code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise",
+                                "precision.fp8_dispatch=true"])
+    assert exc is None and "EP rows into the experts as e4m3" in " ".join(out.split())
     # the memory plan has no FP8 terms either, and says what FP8's peak measured above bf16's
     assert "precision.fp8_recipe=blockwise: activations and transients are priced as bf16" in text
     assert "the FP8 peak was 8.9 GiB above bf16's (58.7 -> 67.6 GiB" in text
@@ -278,7 +296,7 @@ def test_fp8_dispatch_prices_the_rows_into_the_experts_at_e4m3(edits, applies):
     """Under FP8 with EP, a routed row costs dim + 4 bytes into the experts and 2 dim back, per pass, instead of
     2 x 2 dim: flash_4n's EP term shrinks by exactly that ratio, the compute and the other terms do not move."""
     base = load_recipe(RECIPES / "flash_4n.yaml", []).recipe
-    recipe = with_edits(base, {"precision.fp8_recipe": "blockwise", **edits})
+    recipe = with_edits(base, {"precision.fp8_recipe": "blockwise", "precision.fp8_dispatch": True, **edits})
     plain, fp8 = stage_time(base, 2), stage_time(recipe, 2)
     if "parallel.ep" in edits:
         plain = stage_time(with_edits(base, {"parallel.ep": 1}), 2)

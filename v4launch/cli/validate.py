@@ -299,7 +299,7 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
                            "backward re-runs it, so they are counted in backward transients (their own rows read 0)",
                            style="dim"))
         if recipe.precision.fp8_recipe != "none":
-            from ..validators.memory_plan import FP8_PEAK_NOTE
+            from ..validators.memory_activations import FP8_PEAK_NOTE
 
             con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {FP8_PEAK_NOTE}", style="dim"))
     timed = _time_table(report)

@@ -37,9 +37,32 @@ def _e4m3_values(t: torch.Tensor) -> torch.Tensor:
     return q.float() * s[:, None]
 
 
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _float64_weight_grads(x, dy, w13, w2, counts, limit):
+    """d(sum y·dy)/d(w13, w2) in float64 for this rank's rows (expert by expert, plain matmuls, the clamped SwiGLU
+    written out), summed over the ranks."""
+    w13d = w13.double().requires_grad_()
+    w2d = w2.double().requires_grad_()
+    ys, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        g13 = x[start:start + n].double() @ w13d[e].T
+        gate, up = g13.chunk(2, dim=-1)
+        if limit > 0:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        ys.append((gate * torch.sigmoid(gate) * up) @ w2d[e].T)
+        start += n
+    (torch.cat(ys) * dy.double()).sum().backward()
+    dist.all_reduce(w13d.grad)
+    dist.all_reduce(w2d.grad)
+    return w13d.grad, w2d.grad
+
+
 def fp8_exchange_case(case: dict) -> dict:
     """case: seed, n_experts, dim, inter, rows (per rank), empty_rank (a rank whose experts get no rows, or -1),
-    limit. Returns the relative gaps of y, dx, dw13, dw2 and what crossed the wire (dtype, row width)."""
+    limit, raw (optional: x and dy not pre-rounded; the weight gradients of both paths against float64). Returns the relative gaps of y, dx, dw13, dw2 and what crossed the wire (dtype, row width)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     E, dim, inter = case["n_experts"], case["dim"], case["inter"]
     n_local = E // world
@@ -51,8 +74,11 @@ def fp8_exchange_case(case: dict) -> dict:
     allowed = [e for e in range(E) if e // n_local != case["empty_rank"]]
     experts = torch.tensor(allowed)[torch.randint(len(allowed), (rows,), generator=mine)]
     counts = torch.bincount(experts, minlength=E)
-    x = _e4m3_values(torch.randn(rows, dim, generator=mine) * torch.rand(rows, 1, generator=mine) * 4)
-    dy = _e4m3_values(torch.randn(rows, dim, generator=mine))
+    x = torch.randn(rows, dim, generator=mine) * torch.rand(rows, 1, generator=mine) * 4
+    dy = torch.randn(rows, dim, generator=mine)
+    raw = case.get("raw", False)  # x and dy as drawn: the exchange's weight gradients then see their e4m3 values
+    if not raw:
+        x, dy = _e4m3_values(x), _e4m3_values(dy)
 
     # the exchange: this rank's experts only
     dispatcher = ExpertParallelDispatch(dist.group.WORLD, world, rank, E)
@@ -83,6 +109,12 @@ def fp8_exchange_case(case: dict) -> dict:
         yr, xr.grad, w13r.grad, w2r.grad = x.clone(), torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2)
     dist.all_reduce(w13r.grad)
     dist.all_reduce(w2r.grad)
+    if raw:  # each path's weight gradients against float64 (plain matmuls, every expert, summed over the ranks)
+        d13, d2 = _float64_weight_grads(x, dy, w13, w2, counts, case["limit"])
+        mine_l = slice(lo, lo + n_local)
+        return {"exchange_dw13": _rel_l2(w13_l.grad, d13[mine_l]), "exchange_dw2": _rel_l2(w2_l.grad, d2[mine_l]),
+                "local_dw13": _rel_l2(w13r.grad[mine_l], d13[mine_l]), "local_dw2": _rel_l2(w2r.grad[mine_l], d2[mine_l]),
+                "y": _rel(y.detach(), yr.detach()), "dx": _rel(xe.grad, xr.grad)}
     return {"y": _rel(y.detach(), yr.detach()), "dx": _rel(xe.grad, xr.grad),
             "dw13": _rel(w13_l.grad, w13r.grad[lo:lo + n_local]), "dw2": _rel(w2_l.grad, w2r.grad[lo:lo + n_local]),
             "dw_zero": bool(w13_l.grad.abs().sum() == 0 and w2_l.grad.abs().sum() == 0),

@@ -96,16 +96,22 @@ class _RecordingDispatcher:
 
     def fp8_experts(self, x_sorted, counts, w13, w2, limit):
         self.calls.append("fp8_experts")
-        assert w13.shape == (4, 2 * 24, 32) and w2.shape == (4, 32, 24) and counts.shape == (4,)
+        assert w13.shape == (4, 2 * 32, 32) and w2.shape == (4, 32, 32) and counts.shape == (4,)
         return x_sorted.new_zeros(x_sorted.shape[0], w2.shape[1]) + (w13.sum() + w2.sum()) * 0
 
 
-@pytest.mark.parametrize("fp8_experts, fp8_dispatch, expect", [
-    (True, True, ["fp8_experts"]), (True, False, ["dispatch", "combine"]), (False, True, ["dispatch", "combine"])])
-def test_moe_sends_e4m3_rows_only_with_fp8_experts_and_fp8_dispatch(fp8_experts, fp8_dispatch, expect):
+@pytest.mark.parametrize("fp8_experts, fp8_dispatch, grouped, expect", [
+    (True, True, True, ["fp8_experts"]), (True, False, True, ["dispatch", "combine"]),
+    (False, True, True, ["dispatch", "combine"]), (True, True, False, ["dispatch", "combine"])])
+def test_moe_sends_e4m3_rows_only_with_fp8_experts_and_fp8_dispatch(fp8_experts, fp8_dispatch, grouped, expect,
+                                                                   monkeypatch):
     """``MoE.forward`` takes ``ExpertParallelDispatch.fp8_experts`` (e4m3 rows on the wire) exactly when its experts run
-    FP8 and ``precision.fp8_dispatch`` is on; otherwise the bf16 dispatch / combine."""
-    moe = MoE(1, tiny_args())
+    FP8, ``precision.fp8_dispatch`` is on and the grouped path applies (bf16 compute on SM90+: stubbed here);
+    otherwise the dispatch / combine (where an fp32 or float64 forward runs the per-expert loop, as before)."""
+    from v4launch.model import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "grouped_mm_applies", lambda x, dim, inter: grouped)
+    moe = MoE(1, tiny_args(moe_inter_dim=32))  # FP8 widths: multiples of 16
     moe.dispatcher = _RecordingDispatcher()
     moe.fp8_experts, moe.fp8_dispatch = fp8_experts, fp8_dispatch
     x = torch.randn(6, 32)
