@@ -58,11 +58,25 @@ from .schema.model import ModelConfig
 KERNEL_DS_CAP_BYTES = 2 * (1 << 30)
 """The fused attention backward's dS buffer is capped at 2 GiB per query chunk (docs/kernels.md)."""
 
-FP8_PEAK_NOTE = ("activations and transients are priced as bf16; measured on 2 compiled Flash-width layers (8 routed "
-                 "experts, 393,216 routed rows, whole-layer recompute, one H100) the FP8 peak was 8.9 GiB above "
-                 "bf16's (58.7 -> 67.6 GiB: benchmarks/results/fp8_experts_h100_2026-12-05.md): keep that much of "
-                 "the budget free")
-"""What the memory plan says of an FP8 recipe (validate prints it under the table): the plan has no FP8 terms."""
+FP8_PEAK_MARGIN_GIB = 8.9
+"""FP8's measured peak over bf16's (GiB): 2 compiled Flash-width layers (8 routed experts, 393,216 routed rows,
+whole-layer recompute, one H100), 58.7 -> 67.6 GiB (benchmarks/results/fp8_experts_h100_2026-12-05.md)."""
+
+
+def fp8_peak_note(stages: list[tuple[str, int, int | None]]) -> str:
+    """What the memory plan says of an FP8 recipe (it has no FP8 terms): the measured margin, and the stages that
+    would not fit their budget with it. stages: (name, planned total bytes, budget bytes or None)."""
+    gib = float(1 << 30)
+    note = ("activations and transients are priced as bf16; measured on 2 compiled Flash-width layers (8 routed "
+            "experts, 393,216 routed rows, whole-layer recompute, one H100) the FP8 peak was "
+            f"{FP8_PEAK_MARGIN_GIB} GiB above bf16's (58.7 -> 67.6 GiB: "
+            "benchmarks/results/fp8_experts_h100_2026-12-05.md): keep that much of the budget free")
+    short = [f"{name} ({total / gib:.1f} + {FP8_PEAK_MARGIN_GIB} > {budget / gib:.1f} GiB)"
+             for name, total, budget in stages if budget and total + FP8_PEAK_MARGIN_GIB * gib > budget]
+    if short:
+        note += ("; with that margin these stages would not fit: " + ", ".join(short) + ". Fix: more nodes "
+                 "(cluster.nodes), host offload (parallel.cpu_offloading), or precision.fp8_recipe=none")
+    return note
 
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from v4launch.model import ModelArgs, V4Model
+from v4launch.model.parallel.data_parallel import scale_grads
 from v4launch.training import step as step_mod
 from v4launch.training.dist import DistInfo
 from v4launch.training.step import LossWeights, train_step
@@ -41,8 +42,10 @@ class _Optimizer:
         self.params = [p for g in self.inner.param_groups for p in g["params"]]
         self.events = events
 
-    def step(self) -> None:
+    def step(self, clip: torch.Tensor | None = None) -> None:  # Optimizers.step's interface: the clip applied here
         self.events.append("optimizer step")
+        if clip is not None:
+            scale_grads([p.grad for p in self.params if p.grad is not None], clip)
         self.inner.step()
 
     def zero_grad(self) -> None:

@@ -274,13 +274,16 @@ def test_an_fp8_recipe_is_said_to_be_priced_as_bf16(in_tmp):
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise"])
     text = " ".join(out.split())
     assert exc is None and "precision.fp8_recipe=blockwise's compute is priced as bf16" in text
-    assert "EP rows into the experts as e4m3" not in text  # precision.fp8_dispatch is opt-in
+    assert "EP rows into the experts are priced as e4m3" not in text  # precision.fp8_dispatch is opt-in
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml"), "precision.fp8_recipe=blockwise",
                                 "precision.fp8_dispatch=true"])
-    assert exc is None and "EP rows into the experts as e4m3" in " ".join(out.split())
+    assert exc is None and "EP rows into the experts are priced as e4m3" in " ".join(out.split())
     # the memory plan has no FP8 terms either, and says what FP8's peak measured above bf16's
     assert "precision.fp8_recipe=blockwise: activations and transients are priced as bf16" in text
     assert "the FP8 peak was 8.9 GiB above bf16's (58.7 -> 67.6 GiB" in text
+    # and names the stages that would not fit with that margin: flash_4n's 1M stage plans 138.0 of 139.8 GiB
+    assert "with that margin these stages would not fit: sparse_1m (138.0 + 8.9 > 139.8 GiB)" in text
+    assert "sparse_64k (" not in text
     code, out, _, exc = invoke(["validate", str(RECIPES / "flash_4n.yaml")])
     assert exc is None and "priced as bf16" not in " ".join(out.split())
 

@@ -248,8 +248,8 @@ def _time_table(report: Report) -> tuple[Table, str] | None:
     if a.get("fp8_recipe", "none") != "none":
         note += f"; precision.fp8_recipe={a['fp8_recipe']}'s compute is priced as bf16 ({FP8_AS_BF16})"
         if a.get("fp8_dispatch"):
-            note += ("; its EP rows into the experts as e4m3 (precision.fp8_dispatch: dim + 4 bytes a row instead of "
-                     "2 x dim, exact arithmetic)")
+            note += ("; the EP rows into the experts are priced as e4m3 (precision.fp8_dispatch: dim + 4 bytes a row "
+                     "instead of 2 x dim; the rows back stay bf16)")
     if a.get("priced_as_triton"):
         note += (f"; stage(s) {', '.join(a['priced_as_triton'])} run another kernel backend than triton and are priced "
                  "at the Triton kernels' measured throughput: slower in practice (reference much slower, not measured)")
@@ -299,9 +299,12 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
                            "backward re-runs it, so they are counted in backward transients (their own rows read 0)",
                            style="dim"))
         if recipe.precision.fp8_recipe != "none":
-            from ..validators.memory_activations import FP8_PEAK_NOTE
+            from ..validators.memory_activations import fp8_peak_note
 
-            con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {FP8_PEAK_NOTE}", style="dim"))
+            stages = [(s.name, m["total_bytes"], m["budget_bytes"]) for s in report.stages
+                      if (m := s.derived.get("memory"))]
+            con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {fp8_peak_note(stages)}",
+                           style="dim"))
     timed = _time_table(report)
     if timed is not None:
         con.print("\n[bold]time plan[/bold] (estimated, per stage; `v4launch explain V4-SLURM-SEGMENTS`)")
