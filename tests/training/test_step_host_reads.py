@@ -15,7 +15,7 @@ from v4launch.model import ModelArgs, V4Model
 from v4launch.model.parallel.data_parallel import scale_grads
 from v4launch.training import step as step_mod
 from v4launch.training.dist import DistInfo
-from v4launch.training.step import LossWeights, train_step
+from v4launch.training.step import LossWeights
 
 ARGS = ModelArgs(vocab_size=96, dim=32, n_layers=2, n_mtp_layers=1, compress_ratios=(0, 4, 0), n_heads=2,
                  head_dim=16, rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, window_size=8,
