@@ -63,9 +63,10 @@ FP8_PEAK_MARGIN_GIB = 8.9
 whole-layer recompute, one H100), 58.7 -> 67.6 GiB (benchmarks/results/fp8_experts_h100_2026-12-05.md)."""
 
 
-def fp8_peak_note(stages: list[tuple[str, int, int | None]]) -> str:
+def fp8_peak_note(stages: list[tuple[str, int, int | None]], offloading: bool = False) -> str:
     """What the memory plan says of an FP8 recipe (it has no FP8 terms): the measured margin, and the stages that
-    would not fit their budget with it. stages: (name, planned total bytes, budget bytes or None)."""
+    would not fit their budget with it. stages: (name, planned total bytes, budget bytes or None); offloading:
+    ``parallel.cpu_offloading`` is already on (the fix then does not propose it)."""
     gib = float(1 << 30)
     note = ("activations and transients are priced as bf16; measured on 2 compiled Flash-width layers (8 routed "
             "experts, 393,216 routed rows, whole-layer recompute, one H100) the FP8 peak was "
@@ -74,8 +75,9 @@ def fp8_peak_note(stages: list[tuple[str, int, int | None]]) -> str:
     short = [f"{name} ({total / gib:.1f} + {FP8_PEAK_MARGIN_GIB} > {budget / gib:.1f} GiB)"
              for name, total, budget in stages if budget and total + FP8_PEAK_MARGIN_GIB * gib > budget]
     if short:
-        note += ("; with that margin these stages would not fit: " + ", ".join(short) + ". Fix: more nodes "
-                 "(cluster.nodes), host offload (parallel.cpu_offloading), or precision.fp8_recipe=none")
+        offload = "" if offloading else ", host offload (parallel.cpu_offloading)"
+        note += ("; with that margin these stages would not fit (a note: V4-MEMORY does not add it): "
+                 + ", ".join(short) + f". Fix: more nodes (cluster.nodes){offload}, or precision.fp8_recipe=none")
     return note
 
 

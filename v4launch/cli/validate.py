@@ -303,7 +303,7 @@ def _render(report: Report, recipe: Any, con: Any, command: tuple[str, list[str]
 
             stages = [(s.name, m["total_bytes"], m["budget_bytes"]) for s in report.stages
                       if (m := s.derived.get("memory"))]
-            con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {fp8_peak_note(stages)}",
+            con.print(Text(f"precision.fp8_recipe={recipe.precision.fp8_recipe}: {fp8_peak_note(stages, recipe.parallel.cpu_offloading)}",
                            style="dim"))
     timed = _time_table(report)
     if timed is not None:
