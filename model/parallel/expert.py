@@ -96,8 +96,7 @@ class ExpertParallelDispatch(ExpertDispatch):
         recv, send_splits, recv_splits = self.exchange_counts(counts)
         x_rank_major = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.group)
         src = expert_major_order(recv, sum(recv_splits))
-        inverse = torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=src.device))
-        return x_rank_major[src], recv.sum(0), _Exchange(send_splits, recv_splits, inverse)
+        return x_rank_major[src], recv.sum(0), _Exchange(send_splits, recv_splits, _inverse(src))
 
     def combine(self, y_local: torch.Tensor, ctx: _Exchange) -> torch.Tensor:
         """y_local [M, dim] (expert-major) -> [N, dim] in ``dispatch``'s x_sorted order. Collective."""
@@ -141,6 +140,11 @@ class ExpertParallelDispatch(ExpertDispatch):
         return Fp8ExpertExchange.apply(x_sorted.contiguous(), w13, w2, counts, self, float(limit))
 
 
+def _inverse(src: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of the gather ``src`` [M] (expert-major -> rank-major positions)."""
+    return torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=src.device))
+
+
 def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q [n, k] e4m3, scale [n] float32 -> [n, k + 4] uint8: each row's bytes then its scale's (one message)."""
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(-1, 4)], dim=1)
@@ -180,7 +184,7 @@ class Fp8ExpertExchange(torch.autograd.Function):
             y_l, g13 = fp8_experts.mlp_forward(xq_l, xs_l, w13, w2, ends, limit, dtype)
         else:  # no rows for my experts: nothing to compute (the grouped GEMMs refuse zero rows)
             y_l, g13 = x_sorted.new_empty(0, w2.shape[1]), x_sorted.new_empty(0, w13.shape[1])
-        inverse = torch.empty_like(src).scatter_(0, src, torch.arange(m, device=src.device))
+        inverse = _inverse(src)
         ctx.save_for_backward(xq_l, xs_l, g13, w13, w2, ends, src, inverse)
         ctx.exchange = (group, send_splits, recv_splits)
         ctx.limit, ctx.dtype = limit, dtype
